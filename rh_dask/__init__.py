@@ -1,0 +1,43 @@
+"""rh-dask: renewable Huber regression on streams too large for one machine.
+
+The public API:
+
+* :class:`RenewableHuberRegressor`, a scikit-learn estimator that fits
+  in-memory batches and Dask collections (row chunks are the batches);
+* :class:`HuberConfig`, :class:`HuberState`, :class:`BatchDiagnostics`, the
+  portable configuration, state and per-batch diagnostics;
+* :func:`make_engine` and the :class:`Engine` protocol, for callers that drive
+  an engine directly (benchmarks, actors);
+* the exceptions in :mod:`rh_dask.exceptions`.
+"""
+
+from ._version import __version__
+from .config import HuberConfig
+from .engines import Engine, NumpyEngine, make_engine
+from .estimator import RenewableHuberRegressor
+from .exceptions import (
+    CheckpointError,
+    EngineUnavailableError,
+    NotFittedError,
+    RhDaskError,
+    StreamError,
+    ValidationError,
+)
+from .state import BatchDiagnostics, HuberState
+
+__all__ = [
+    "BatchDiagnostics",
+    "CheckpointError",
+    "Engine",
+    "EngineUnavailableError",
+    "HuberConfig",
+    "HuberState",
+    "NotFittedError",
+    "NumpyEngine",
+    "RenewableHuberRegressor",
+    "RhDaskError",
+    "StreamError",
+    "ValidationError",
+    "__version__",
+    "make_engine",
+]

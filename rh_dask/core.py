@@ -1,0 +1,109 @@
+"""Scalar rules of the numerical contract, shared by every engine.
+
+Nothing here touches a batch: these are the per-batch schedule (cumulative
+weight, bandwidth, penalty level, history term) and the numerical policy of
+the Newton solve ladder. Keeping them in one place is what lets the NumPy
+reference and the GPU engine agree to the last bit on every decision that
+does not depend on the data.
+
+Two implementation rules refine the contract without changing it (see
+``docs/design.md``):
+
+* Line-search and LAMM acceptance tests compare objective *differences*, not
+  objective values. With e = c − β and the exact identity
+
+      F(c) − F(β) − gᵀe = [Σ_i w_i R_i + ½ eᵀ J_{b-1} e] / N,
+      R_i = ρ(r_i + δ_i) − ρ(r_i) − ψ(r_i) δ_i,   δ = −Z e,
+
+  the tests "F(β − tD) > F(β)" and "F(c) ≤ F(β) + gᵀe + φ/2‖e‖² + 1e-12"
+  are decided from quantities of the size of the step, not of F. Comparing
+  two rounded values of F would let rounding noise (eps·F) decide whether a
+  step of size 1e-8 is accepted; the difference form is accurate to eps
+  relative to the step itself, so every engine makes the same decisions.
+  With o = r − ψ(r), u = clip(o + δ, −τ − ψ, τ − ψ) and δ' = o + δ, the
+  remainder is R = u (δ' − u/2) exactly (the integral of ψ(s) − ψ(r)).
+* The solve ladder calls a system singular when a Cholesky pivot loses all
+  but ``singular_rtol`` of its diagonal (L_ii² ≤ rtol · H_ii: column i is
+  numerically a combination of the earlier ones). The test is invariant to
+  feature scaling.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from .config import HuberConfig
+from .state import HuberState
+
+#: Line-search halving stops below this step (contract).
+MIN_STEP = 1e-8
+#: LAMM doubles φ at most this many times per iteration (contract).
+LAMM_MAX_TRIALS = 40
+#: Floor of φ after an accepted LAMM step (contract).
+LAMM_MIN_PHI = 1e-8
+#: Slack added to the LAMM majorisation test (contract).
+LAMM_SLACK = 1e-12
+
+
+def singular_rtol(dtype: np.dtype | str, n_params: int) -> float:
+    """Relative pivot (and singular value) below which a system is singular."""
+    return float(max(n_params, 10) * np.finfo(np.dtype(dtype)).eps)
+
+
+@dataclass(frozen=True)
+class BatchSchedule:
+    """Data-independent quantities of one batch.
+
+    Attributes
+    ----------
+    total_weight : float
+        N = W_{b-1} + Σ w_b, the cumulative weight including this batch.
+    bandwidth : float
+        h = min(bandwidth_scale / (√N · ln max(d, 2)), τ).
+    lambda_value : float
+        λ_b (0 without a penalty).
+    history_scale : float
+        (W_{b-1}/N) · λ_{b-1} when the L1 history term is active, else 0.
+    """
+
+    total_weight: float
+    bandwidth: float
+    lambda_value: float
+    history_scale: float
+
+
+def batch_schedule(config: HuberConfig, state: HuberState, batch_weight: float) -> BatchSchedule:
+    """Compute the batch schedule in float64 (engines round it to their dtype)."""
+    if not (batch_weight > 0 and math.isfinite(batch_weight)):
+        raise ValueError(f"batch weight must be finite and > 0, got {batch_weight}")
+    total = float(state.weight_sum) + float(batch_weight)
+    log_d = math.log(max(state.n_features_in, 2))
+    bandwidth = min(config.bandwidth_scale / (math.sqrt(total) * log_d), config.tau)
+    lam = 0.0
+    history = 0.0
+    if config.penalised:
+        lam = config.lambda_scale * config.tau * math.sqrt(log_d / total)
+        if state.n_samples_seen > 0:
+            history = (float(state.weight_sum) / total) * float(state.previous_lambda)
+    return BatchSchedule(total, bandwidth, lam, history)
+
+
+def penalty_mask(n_features: int, fit_intercept: bool, dtype: np.dtype | str) -> np.ndarray:
+    """m: 1 for every feature coefficient, 0 for the intercept."""
+    mask = np.ones(n_features + int(fit_intercept), dtype=dtype)
+    if fit_intercept:
+        mask[-1] = 0
+    return mask
+
+
+def soft_threshold(x: np.ndarray, threshold: np.ndarray) -> np.ndarray:
+    """S(x, t) = sign(x) · max(|x| − t, 0), elementwise."""
+    return np.sign(x) * np.maximum(np.abs(x) - threshold, 0)
+
+
+def step_converged(step_norm: float, new_norm: float, tol: float) -> bool:
+    """‖β_new − β_old‖ ≤ tol · (1 + ‖β_new‖)."""
+    return bool(step_norm <= tol * (1.0 + new_norm))

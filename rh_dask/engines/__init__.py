@@ -1,0 +1,60 @@
+"""Engine registry and selection.
+
+``engine="numpy"`` and ``engine="gpu"`` are explicit requests: if the engine
+cannot start, :class:`~rh_dask.exceptions.EngineUnavailableError` says why,
+and nothing is silently substituted. ``engine="auto"`` resolves to the NumPy
+engine for now (a measured dispatch policy belongs with the GPU benchmarks).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..config import HuberConfig
+from ..exceptions import EngineUnavailableError, ValidationError
+from .base import Engine
+from .numpy_engine import NumpyEngine
+
+__all__ = ["ENGINE_NAMES", "Engine", "NumpyEngine", "make_engine", "resolve_engine_name"]
+
+ENGINE_NAMES: tuple[str, ...] = ("auto", "numpy", "gpu")
+
+
+def resolve_engine_name(engine: str, device: Any = None) -> str:
+    """Map ``"auto"`` to a concrete engine name; validate the others."""
+    if engine not in ENGINE_NAMES:
+        raise ValidationError(f"engine must be one of {ENGINE_NAMES}, got {engine!r}")
+    if engine != "auto":
+        return engine
+    # A CUDA device named explicitly is a request for the GPU engine.
+    if device is not None and str(device).startswith("cuda"):
+        return "gpu"
+    return "numpy"
+
+
+def make_engine(engine: str, config: HuberConfig, device: Any = None) -> Engine:
+    """Create an engine by name.
+
+    Parameters
+    ----------
+    engine : {"auto", "numpy", "gpu"}
+    config : HuberConfig
+    device : None, "cpu", "cuda", "cuda:N" or int
+        Where the engine should live (``None``: its default).
+
+    Raises
+    ------
+    EngineUnavailableError
+        When the requested engine or device cannot be used here.
+    """
+    name = resolve_engine_name(engine, device)
+    if name == "numpy":
+        return NumpyEngine(config, device=None if device in (None, "cpu") else str(device))
+    try:
+        from gpu_engine import GpuEngine
+    except ImportError as exc:  # CuPy or a CUDA runtime is missing
+        raise EngineUnavailableError(
+            f"engine='gpu' needs CuPy and a CUDA GPU: {exc}. Install rh-dask[gpu] "
+            "on a machine with an NVIDIA GPU, or choose engine='numpy'."
+        ) from exc
+    return GpuEngine(config, device=device)

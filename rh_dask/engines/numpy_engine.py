@@ -1,0 +1,419 @@
+"""The NumPy reference engine: the contract, exactly, and fast on a CPU.
+
+Every product goes through BLAS (GEMV for residuals and gradients, SYRK for
+the weighted Gram), every row-length temporary lives in a workspace that is
+reused across iterations and batches, and float32 streams compute in float32.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any, ClassVar
+
+import numpy as np
+import scipy.linalg
+
+from ..config import HuberConfig
+from ..core import (
+    LAMM_MAX_TRIALS,
+    LAMM_MIN_PHI,
+    LAMM_SLACK,
+    MIN_STEP,
+    BatchSchedule,
+    batch_schedule,
+    penalty_mask,
+    singular_rtol,
+    soft_threshold,
+    step_converged,
+)
+from ..exceptions import EngineUnavailableError, NotFittedError, ValidationError
+from ..state import BatchDiagnostics, HuberState
+
+__all__ = ["NumpyEngine", "solve_newton_system"]
+
+
+def solve_newton_system(hessian: np.ndarray, gradient: np.ndarray) -> np.ndarray:
+    """D = H⁻¹ g through the ladder Cholesky → LU → minimum-norm SVD.
+
+    A rung is taken only if its factorisation passes the scale-invariant
+    singularity test of :func:`rh_dask.core.singular_rtol` and its solution is
+    finite, so a singular system always ends in the finite minimum-norm
+    least-squares solution.
+    """
+    p = gradient.shape[0]
+    rtol = singular_rtol(hessian.dtype, p)
+    diag = np.diagonal(hessian)
+    try:
+        lower = scipy.linalg.cholesky(hessian, lower=True, check_finite=False)
+        pivots = np.diagonal(lower).astype(np.float64) ** 2
+        with np.errstate(divide="ignore", invalid="ignore"):
+            ratio = np.where(diag > 0, pivots / diag, 0.0)
+        if np.all(ratio > rtol):
+            direction = scipy.linalg.cho_solve((lower, True), gradient, check_finite=False)
+            if np.all(np.isfinite(direction)):
+                return direction
+    except np.linalg.LinAlgError:
+        pass
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", scipy.linalg.LinAlgWarning)
+        lu, piv = scipy.linalg.lu_factor(hessian, check_finite=False)
+    u_diag = np.abs(np.diagonal(lu))
+    scale = float(np.max(np.abs(diag))) if p else 0.0
+    if scale > 0 and np.all(u_diag > rtol * scale):
+        direction = scipy.linalg.lu_solve((lu, piv), gradient, check_finite=False)
+        if np.all(np.isfinite(direction)):
+            return direction
+    u, sigma, vt = np.linalg.svd(hessian)
+    cutoff = rtol * (sigma[0] if sigma.size else 0.0)
+    inv = np.zeros_like(sigma)
+    keep = sigma > cutoff
+    inv[keep] = 1 / sigma[keep]
+    return (vt.T * inv) @ (u.T @ gradient)
+
+
+class _Workspace:
+    """Row-length buffers reused across iterations and batches (grown on demand)."""
+
+    def __init__(self, dtype: np.dtype) -> None:
+        self.dtype = dtype
+        self.rows = 0
+        self.cols = 0
+
+    def ensure(self, n: int, p: int) -> None:
+        if n <= self.rows and p == self.cols:
+            return
+        rows = max(n, self.rows if p == self.cols else 0)
+        dt = self.dtype
+        self.design = np.empty((rows, p), dtype=dt)  # Z when an intercept is added
+        self.scaled = np.empty((rows, p), dtype=dt)  # √(wκ) ⊙ Z for the Gram
+        names = ("r", "psi", "over", "lo", "hi", "kappa", "zdir", "t1", "t2")
+        for name in names:
+            setattr(self, name, np.empty(rows, dtype=dt))
+        self.rows, self.cols = rows, p
+
+
+class _Batch:
+    """One batch's views into the workspace, and the contract's formulas on them."""
+
+    def __init__(
+        self,
+        ws: _Workspace,
+        X: np.ndarray,
+        y: np.ndarray,
+        w: np.ndarray | None,
+        config: HuberConfig,
+        state: HuberState,
+        schedule: BatchSchedule,
+    ) -> None:
+        n, d = X.shape
+        p = state.n_params
+        dt = config.np_dtype
+        ws.ensure(n, p)
+        if config.fit_intercept:
+            Z = ws.design[:n]
+            Z[:, :d] = X
+            Z[:, d] = 1
+        else:
+            Z = X
+        self.Z, self.y, self.w = Z, y, w
+        self.scaled = ws.scaled[:n]
+        for name in ("r", "psi", "over", "lo", "hi", "kappa", "zdir", "t1", "t2"):
+            setattr(self, name, getattr(ws, name)[:n])
+        self.tau = dt.type(config.tau)
+        self.half_inv_h = dt.type(0.5 / schedule.bandwidth)
+        self.total = schedule.total_weight
+        self.inv_total = dt.type(1.0 / schedule.total_weight)
+        self.beta0 = state.coefficients
+        self.J = state.information
+        mask = penalty_mask(state.n_features_in, state.fit_intercept, dt)
+        self.mask = mask
+        self.history = dt.type(schedule.history_scale)
+        self.sign0 = np.sign(self.beta0) * mask if schedule.history_scale else None
+
+    # -- per-iterate quantities -------------------------------------------------
+    def evaluate(self, beta: np.ndarray) -> None:
+        """r = y − Zβ, ψ = clip(r, ±τ), o = r − ψ and the remainder bounds."""
+        r, psi = self.r, self.psi
+        np.matmul(self.Z, beta, out=r)
+        np.subtract(self.y, r, out=r)
+        np.clip(r, -self.tau, self.tau, out=psi)
+        np.subtract(r, psi, out=self.over)
+        np.subtract(-self.tau, psi, out=self.lo)
+        np.subtract(self.tau, psi, out=self.hi)
+
+    def weighted_sum(self, v: np.ndarray) -> float:
+        return float(v.sum() if self.w is None else np.dot(self.w, v))
+
+    def gradient(self, beta: np.ndarray) -> np.ndarray:
+        """g(β) = [−Zᵀ(w ⊙ ψ) + J Δ] / N − (W/N) λ_{b−1} s."""
+        wpsi = self.psi if self.w is None else np.multiply(self.w, self.psi, out=self.t1)
+        g = self.J @ (beta - self.beta0) - self.Z.T @ wpsi
+        g *= self.inv_total
+        if self.sign0 is not None:
+            g -= self.history * self.sign0
+        return g
+
+    def gram(self) -> np.ndarray:
+        """Zᵀ diag(w ⊙ κ(r)) Z through SYRK on √(wκ) ⊙ Z."""
+        k = self.kappa
+        np.abs(self.r, out=k)
+        np.subtract(self.tau, k, out=k)
+        np.multiply(k, self.half_inv_h, out=k)
+        k += 0.5
+        np.clip(k, 0, 1, out=k)
+        if self.w is not None:
+            k *= self.w
+        np.sqrt(k, out=k)
+        np.multiply(self.Z, k[:, None], out=self.scaled)
+        return self.scaled.T @ self.scaled
+
+    def loss(self) -> float:
+        """Σ w ρ(r) with ρ(r) = ψ (r − ψ/2)."""
+        t = self.t1
+        np.multiply(self.psi, 0.5, out=t)
+        np.subtract(self.r, t, out=t)
+        t *= self.psi
+        return self.weighted_sum(t)
+
+    def remainder(self, zdir: np.ndarray, scale: float) -> float:
+        """Σ w R_i for residual changes δ = scale · zdir (see rh_dask.core)."""
+        dp, u = self.t1, self.t2
+        np.multiply(zdir, scale, out=dp)
+        dp += self.over
+        np.clip(dp, self.lo, self.hi, out=u)
+        np.multiply(u, 0.5, out=self.kappa)  # κ is not needed again before gram()
+        np.subtract(dp, self.kappa, out=dp)
+        return self.weighted_sum(np.multiply(u, dp, out=u))
+
+    def objective(self, beta: np.ndarray) -> float:
+        """F(β) at the evaluated iterate (without the L1 norm)."""
+        delta = beta - self.beta0
+        value = (self.loss() + 0.5 * float(delta @ self.J @ delta)) / self.total
+        if self.sign0 is not None:
+            value -= float(self.history) * float(delta @ self.sign0)
+        return value
+
+
+class NumpyEngine:
+    """Reference engine on the CPU (NumPy + LAPACK through SciPy).
+
+    Parameters
+    ----------
+    config : HuberConfig
+        Statistical and solver parameters of the stream.
+    device : None or "cpu"
+        Accepted for interface symmetry; any other device is refused.
+    """
+
+    name: ClassVar[str] = "numpy"
+    accepts_device_arrays: ClassVar[bool] = False
+
+    def __init__(self, config: HuberConfig, device: str | None = None) -> None:
+        if device not in (None, "cpu"):
+            raise EngineUnavailableError(
+                f"the numpy engine runs on the CPU only; device={device!r} is not supported"
+            )
+        self.config = config
+        self._state: HuberState | None = None
+        self._ws = _Workspace(config.np_dtype)
+
+    # -- interface ----------------------------------------------------------------
+    @property
+    def device(self) -> str:
+        return "cpu"
+
+    @property
+    def n_features_in(self) -> int | None:
+        return None if self._state is None else self._state.n_features_in
+
+    @property
+    def batch_count(self) -> int:
+        return 0 if self._state is None else self._state.batch_count
+
+    @property
+    def n_samples_seen(self) -> int:
+        return 0 if self._state is None else self._state.n_samples_seen
+
+    def reset(self) -> None:
+        self._state = None
+
+    def coefficients(self) -> np.ndarray:
+        return self._require_state().coefficients.copy()
+
+    def export_state(self) -> HuberState:
+        return self._require_state().copy()
+
+    def import_state(self, state: HuberState) -> None:
+        if state.fit_intercept != self.config.fit_intercept:
+            raise ValidationError(
+                f"state has fit_intercept={state.fit_intercept}, "
+                f"engine config has {self.config.fit_intercept}"
+            )
+        state.validate()
+        self._state = state.astype(self.config.np_dtype)
+
+    def predict(self, X: Any) -> np.ndarray:
+        state = self._require_state()
+        X = np.asarray(X)
+        self._check_width(X, state.n_features_in)
+        beta = state.coefficients
+        d = state.n_features_in
+        out = X @ beta[:d]
+        if state.fit_intercept:
+            out += beta[d]
+        return out
+
+    def partial_fit(self, X: Any, y: Any, sample_weight: Any | None = None) -> BatchDiagnostics:
+        cfg = self.config
+        dt = cfg.np_dtype
+        X, y, w = self._check_batch(X, y, sample_weight)
+        n, d = X.shape
+        state = self._state
+        if state is None:
+            state = HuberState.empty(d, cfg.fit_intercept, dt)
+        batch_weight = float(n) if w is None else float(np.sum(w, dtype=np.float64))
+        schedule = batch_schedule(cfg, state, batch_weight)
+        batch = _Batch(self._ws, X, y, w, cfg, state, schedule)
+        if cfg.penalised:
+            beta, iterations, converged = _solve_lamm(batch, cfg, schedule)
+        else:
+            beta, iterations, converged = _solve_newton(batch, cfg)
+        # Commit: r, κ and the Gram at the final β_b.
+        batch.evaluate(beta)
+        objective = batch.objective(beta)
+        if cfg.penalised:
+            objective += schedule.lambda_value * float(np.abs(beta * batch.mask).sum())
+        information = state.information + batch.gram()
+        self._state = HuberState(
+            coefficients=beta,
+            information=information,
+            n_samples_seen=state.n_samples_seen + n,
+            batch_count=state.batch_count + 1,
+            previous_lambda=schedule.lambda_value,
+            weight_sum=schedule.total_weight,
+            n_features_in=d,
+            fit_intercept=cfg.fit_intercept,
+        )
+        return BatchDiagnostics(
+            iterations=iterations,
+            converged=converged,
+            objective=float(objective),
+            lambda_value=float(schedule.lambda_value),
+            bandwidth=float(schedule.bandwidth),
+        )
+
+    # -- helpers -----------------------------------------------------------------
+    def _require_state(self) -> HuberState:
+        if self._state is None:
+            raise NotFittedError("the engine has consumed no batch yet")
+        return self._state
+
+    def _check_width(self, X: np.ndarray, expected: int | None) -> None:
+        if X.ndim != 2:
+            raise ValidationError(f"X must be 2-D, got {X.ndim}-D")
+        if expected is not None and X.shape[1] != expected:
+            raise ValidationError(
+                f"X has {X.shape[1]} features, but the stream is expecting {expected} features"
+            )
+
+    def _check_batch(
+        self, X: Any, y: Any, w: Any | None
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+        """Structural checks only: the estimator validated the values already."""
+        dt = self.config.np_dtype
+        if not all(isinstance(a, np.ndarray) for a in (X, y)) or (
+            w is not None and not isinstance(w, np.ndarray)
+        ):
+            raise ValidationError("the numpy engine takes NumPy arrays (validate the batch first)")
+        self._check_width(X, self.n_features_in)
+        n = X.shape[0]
+        if n < 1:
+            raise ValidationError("a batch needs at least one row")
+        if y.shape != (n,) or (w is not None and w.shape != (n,)):
+            raise ValidationError(f"y and sample_weight must have shape ({n},)")
+        for name, arr in (("X", X), ("y", y), ("sample_weight", w)):
+            if arr is not None and arr.dtype != dt:
+                raise ValidationError(f"{name} has dtype {arr.dtype}, the engine computes in {dt}")
+        if w is not None and not np.sum(w, dtype=np.float64) > 0:
+            raise ValidationError("sample_weight must have a positive sum")
+        return np.ascontiguousarray(X), y, w
+
+
+def _solve_newton(batch: _Batch, cfg: HuberConfig) -> tuple[np.ndarray, int, bool]:
+    """Damped Newton with monotone backtracking (contract, unpenalised)."""
+    beta = batch.beta0.copy()
+    J = batch.J
+    p = beta.shape[0]
+    ridge = batch.inv_total.dtype.type(cfg.ridge)
+    converged = False
+    iterations = 0
+    for iterations in range(1, cfg.max_iter + 1):  # noqa: B007 - the count is reported
+        batch.evaluate(beta)
+        g = batch.gradient(beta)
+        H = batch.gram()
+        H += J
+        H *= batch.inv_total
+        H.flat[:: p + 1] += ridge
+        D = solve_newton_system(H, g).astype(beta.dtype, copy=False)
+        np.matmul(batch.Z, D, out=batch.zdir)
+        slope = float(g @ D)
+        curvature = float(D @ J @ D)
+        t = 1.0
+        accepted = False
+        while True:
+            # F(β − tD) − F(β) in the difference form of rh_dask.core.
+            change = -t * slope + (batch.remainder(batch.zdir, t) + 0.5 * t * t * curvature) / (
+                batch.total
+            )
+            if not change > 0:
+                accepted = True
+                break
+            t /= 2
+            if t < MIN_STEP:
+                break
+        if not accepted:
+            break
+        new = beta - beta.dtype.type(t) * D
+        step = float(np.linalg.norm(new - beta))
+        beta = new
+        if step_converged(step, float(np.linalg.norm(beta)), cfg.tol):
+            converged = True
+            break
+    return beta, iterations, converged
+
+
+def _solve_lamm(
+    batch: _Batch, cfg: HuberConfig, schedule: BatchSchedule
+) -> tuple[np.ndarray, int, bool]:
+    """Proximal gradient with a local majorisation (contract, L1)."""
+    beta = batch.beta0.copy()
+    J = batch.J
+    dt = beta.dtype.type
+    lam_mask = batch.mask * dt(schedule.lambda_value)
+    phi = 1.0
+    converged = False
+    iterations = 0
+    for iterations in range(1, cfg.max_iter + 1):  # noqa: B007 - the count is reported
+        batch.evaluate(beta)
+        g = batch.gradient(beta)
+        accepted = False
+        for _ in range(LAMM_MAX_TRIALS):
+            inv_phi = dt(1.0 / phi)
+            candidate = soft_threshold(beta - g * inv_phi, lam_mask * inv_phi)
+            e = candidate - beta
+            np.matmul(batch.Z, e, out=batch.zdir)
+            # F(c) − F(β) − gᵀe, with δ = −Z e.
+            excess = (batch.remainder(batch.zdir, -1.0) + 0.5 * float(e @ J @ e)) / batch.total
+            if excess <= 0.5 * phi * float(e @ e) + LAMM_SLACK:
+                accepted = True
+                break
+            phi *= 2.0
+        if not accepted:
+            break
+        step = float(np.linalg.norm(e))
+        beta = candidate
+        phi = max(phi / 2.0, LAMM_MIN_PHI)
+        if step_converged(step, float(np.linalg.norm(beta)), cfg.tol):
+            converged = True
+            break
+    return beta, iterations, converged

@@ -1,0 +1,418 @@
+"""``RenewableHuberRegressor``: the scikit-learn face of rh-dask.
+
+The estimator is thin on purpose: it turns parameters into a
+:class:`~rh_dask.config.HuberConfig`, validates each batch, hands it to one
+engine (see :mod:`rh_dask.engines`) and mirrors the engine's state into the
+scikit-learn attributes. Dask collections are routed to the distributed
+coordinator in :mod:`rh_dask.distributed`.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import numpy as np
+from sklearn.base import BaseEstimator, RegressorMixin
+
+from .checkpoint import Checkpoint, load_checkpoint, save_checkpoint
+from .config import HuberConfig
+from .engines import Engine, make_engine, resolve_engine_name
+from .exceptions import NotFittedError, ValidationError
+from .state import BatchDiagnostics, HuberState
+from .validation import is_device_array, validate_batch, validate_features
+
+__all__ = ["RenewableHuberRegressor"]
+
+
+def _is_dask_collection(obj: Any) -> bool:
+    try:
+        from dask.base import is_dask_collection
+    except ImportError:  # pragma: no cover - dask is a hard dependency
+        return False
+    return is_dask_collection(obj)
+
+
+class RenewableHuberRegressor(RegressorMixin, BaseEstimator):
+    """Renewable Huber regression: a robust linear model fitted batch by batch.
+
+    Each call to :meth:`partial_fit` consumes one batch and retains only the
+    coefficients and a p×p information matrix, so the stream may be far larger
+    than memory. The method and its solver rules are those of the project's
+    numerical contract (Jiang, Liang & Yu, EJS 2024): Newton with monotone
+    backtracking for the unpenalised estimator, LAMM for the L1-penalised one.
+
+    Parameters
+    ----------
+    tau : float, default=1.345
+        Huber robustification parameter (residual scale at which the loss
+        turns linear). Not estimated: standardise ``y`` or choose ``tau``.
+    penalty : {"none", "l1"}, default="none"
+        ``"l1"`` fits the penalised estimator with λ_b = lambda_scale · τ ·
+        √(ln max(d, 2) / N).
+    lambda_scale : float, default=1.0
+        Multiplier of the L1 penalty level.
+    bandwidth_scale : float, default=1.0
+        Multiplier of the curvature-smoothing bandwidth.
+    fit_intercept : bool, default=True
+        Fit an intercept (kept as the last parameter of the state).
+    max_iter : int, default=100
+        Newton/LAMM iteration cap per batch.
+    tol : float, default=1e-6
+        Relative step tolerance of the per-batch solve.
+    ridge : float, default=1e-8
+        Ridge added to the Newton system only.
+    engine : {"auto", "numpy", "gpu"}, default="auto"
+        Computational engine. An explicit choice that cannot start raises
+        :class:`~rh_dask.exceptions.EngineUnavailableError`; ``"auto"``
+        currently picks the NumPy engine unless ``device`` names a GPU.
+    device : str or int, default=None
+        Device of the engine, e.g. ``"cuda:0"``.
+    dtype : {"float64", "float32"}, default="float64"
+        Precision of the whole computation.
+
+    Attributes
+    ----------
+    coef_ : ndarray of shape (n_features,)
+        Feature coefficients.
+    intercept_ : float
+        Intercept (0.0 when ``fit_intercept=False``).
+    n_features_in_ : int
+        Number of features seen during fit.
+    feature_names_in_ : ndarray of shape (n_features,)
+        Feature names, when the stream came as a DataFrame with string columns.
+    n_iter_ : int
+        Iterations used by the last batch.
+    n_samples_seen_ : int
+        Rows consumed since the last reset (zero-weight rows count).
+    state_ : HuberState
+        A host copy of the portable state.
+    diagnostics_ : BatchDiagnostics
+        Diagnostics of the last batch.
+    engine_ : str
+        The engine actually in use (``"numpy"`` or ``"gpu"``).
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from rh_dask import RenewableHuberRegressor
+    >>> rng = np.random.default_rng(0)
+    >>> X = rng.normal(size=(1000, 3))
+    >>> y = X @ [1.0, -2.0, 0.5] + rng.standard_t(2, size=1000)
+    >>> model = RenewableHuberRegressor()
+    >>> for rows in np.array_split(np.arange(1000), 4):
+    ...     model = model.partial_fit(X[rows], y[rows])
+    >>> model.coef_.round(1)
+    array([ 1. , -2. ,  0.5])
+    """
+
+    def __init__(
+        self,
+        *,
+        tau: float = 1.345,
+        penalty: str = "none",
+        lambda_scale: float = 1.0,
+        bandwidth_scale: float = 1.0,
+        fit_intercept: bool = True,
+        max_iter: int = 100,
+        tol: float = 1e-6,
+        ridge: float = 1e-8,
+        engine: str = "auto",
+        device: str | int | None = None,
+        dtype: str = "float64",
+    ) -> None:
+        self.tau = tau
+        self.penalty = penalty
+        self.lambda_scale = lambda_scale
+        self.bandwidth_scale = bandwidth_scale
+        self.fit_intercept = fit_intercept
+        self.max_iter = max_iter
+        self.tol = tol
+        self.ridge = ridge
+        self.engine = engine
+        self.device = device
+        self.dtype = dtype
+
+    # -- configuration ---------------------------------------------------------
+    def _make_config(self) -> HuberConfig:
+        return HuberConfig(
+            tau=self.tau,
+            penalty=self.penalty,
+            lambda_scale=self.lambda_scale,
+            bandwidth_scale=self.bandwidth_scale,
+            fit_intercept=self.fit_intercept,
+            max_iter=self.max_iter,
+            tol=self.tol,
+            ridge=self.ridge,
+            dtype=self.dtype,
+        )
+
+    def _stream_engine(self) -> Engine | None:
+        """The engine holding the stream, materialised from a pending state if needed."""
+        engine = getattr(self, "_engine", None)
+        pending = getattr(self, "_pending_state", None)
+        if engine is None and pending is not None:
+            engine = make_engine(self.engine_, self._config, self.device)
+            engine.import_state(pending)
+            self._engine = engine
+            self._pending_state = None
+        return engine
+
+    # -- fitting -------------------------------------------------------------------
+    def reset(self) -> RenewableHuberRegressor:
+        """Forget the stream (keeps the engine and its workspaces for reuse)."""
+        engine = getattr(self, "_engine", None)
+        if engine is not None:
+            engine.reset()
+        self._pending_state = None
+        for name in (
+            "n_features_in_",
+            "feature_names_in_",
+            "n_iter_",
+            "diagnostics_",
+            "engine_",
+            "_config",
+        ):
+            self.__dict__.pop(name, None)
+        return self
+
+    def fit(self, X: Any, y: Any, sample_weight: Any | None = None) -> RenewableHuberRegressor:
+        """Reset, then consume ``X`` as the stream.
+
+        In-memory ``X`` is one batch. A Dask array or DataFrame is walked chunk
+        by chunk in order (each row chunk or partition one batch), see
+        :mod:`rh_dask.distributed`.
+
+        Parameters
+        ----------
+        X : array-like of shape (n_samples, n_features), or a Dask collection
+        y : array-like of shape (n_samples,), or a Dask collection
+        sample_weight : array-like of shape (n_samples,), default=None
+            Frequency weights.
+
+        Returns
+        -------
+        self
+        """
+        self.reset()
+        return self.partial_fit(X, y, sample_weight=sample_weight)
+
+    def partial_fit(
+        self, X: Any, y: Any, sample_weight: Any | None = None
+    ) -> RenewableHuberRegressor:
+        """Consume one batch (or, for Dask collections, each of its chunks in order).
+
+        A batch that fails validation raises
+        :class:`~rh_dask.exceptions.ValidationError` and leaves the model
+        exactly as it was.
+        """
+        if any(_is_dask_collection(a) for a in (X, y, sample_weight)):
+            from .distributed import stream_fit
+
+            return stream_fit(self, X, y, sample_weight)
+        config = self._make_config()
+        self._check_stream_config(config)
+        name = resolve_engine_name(self.engine, self.device)
+        fitted = hasattr(self, "n_features_in_")
+        batch = validate_batch(
+            X,
+            y,
+            sample_weight,
+            dtype=config.dtype,
+            n_features=getattr(self, "n_features_in_", None),
+            feature_names=getattr(self, "feature_names_in_", None),
+            fitted=fitted,
+            accept_device=name == "gpu",
+            owner=type(self).__name__,
+        )
+        engine = self._engine_for(config, name)
+        diagnostics = engine.partial_fit(batch.X, batch.y, batch.sample_weight)
+        self._record_batch(engine, config, diagnostics, int(batch.X.shape[1]), batch.feature_names)
+        return self
+
+    def _check_stream_config(self, config: HuberConfig) -> None:
+        """Refuse parameters that changed while a stream is under way."""
+        if hasattr(self, "n_features_in_") and config != self._config:
+            raise ValidationError(
+                "the estimator's parameters changed since the stream started; "
+                "call reset() or fit() to start a new stream with them"
+            )
+
+    def _engine_for(self, config: HuberConfig, name: str) -> Engine:
+        """The stream's engine; a new one when none fits ``config`` and ``name``."""
+        if hasattr(self, "n_features_in_"):
+            return self._stream_engine()
+        engine = getattr(self, "_engine", None)
+        if engine is None or engine.config != config or engine.name != name:
+            engine = make_engine(name, config, self.device)
+            self._engine = engine
+        return engine
+
+    def _record_batch(
+        self,
+        engine: Engine,
+        config: HuberConfig,
+        diagnostics: BatchDiagnostics,
+        n_features: int,
+        feature_names: np.ndarray | None,
+    ) -> None:
+        """Mirror one consumed batch into the scikit-learn attributes."""
+        if not hasattr(self, "n_features_in_"):
+            self._config = config
+            self.engine_ = engine.name
+            self.n_features_in_ = n_features
+            if feature_names is not None:
+                self.feature_names_in_ = feature_names
+        self.diagnostics_ = diagnostics
+        self.n_iter_ = diagnostics.iterations
+
+    # -- fitted views ------------------------------------------------------------
+    def __sklearn_is_fitted__(self) -> bool:
+        return hasattr(self, "n_features_in_")
+
+    def _require_fitted(self) -> None:
+        if not hasattr(self, "n_features_in_"):
+            raise NotFittedError(
+                f"This {type(self).__name__} instance is not fitted yet. Call 'fit' or "
+                "'partial_fit' with appropriate arguments before using this estimator."
+            )
+
+    @property
+    def state_(self) -> HuberState:
+        """A host (NumPy) copy of the portable state."""
+        self._require_fitted()
+        engine = getattr(self, "_engine", None)
+        if engine is None:
+            return self._pending_state.copy()
+        return engine.export_state()
+
+    def _coefficients(self) -> np.ndarray:
+        self._require_fitted()
+        engine = getattr(self, "_engine", None)
+        if engine is None:
+            return self._pending_state.coefficients.copy()
+        return engine.coefficients()
+
+    @property
+    def coef_(self) -> np.ndarray:
+        """Feature coefficients, shape (n_features,)."""
+        return self._coefficients()[: self.n_features_in_]
+
+    @property
+    def intercept_(self) -> float:
+        """The intercept (0.0 without one)."""
+        beta = self._coefficients()
+        return float(beta[-1]) if self._config.fit_intercept else 0.0
+
+    @property
+    def n_samples_seen_(self) -> int:
+        """Rows consumed since the last reset."""
+        self._require_fitted()
+        engine = getattr(self, "_engine", None)
+        return engine.n_samples_seen if engine is not None else self._pending_state.n_samples_seen
+
+    # -- prediction ----------------------------------------------------------------
+    def predict(self, X: Any) -> Any:
+        """Predict ``Xβ + intercept``.
+
+        Host input gives a NumPy array; a CUDA array given to a GPU-engine
+        model gives a device array; a Dask collection gives a lazy Dask array.
+        """
+        self._require_fitted()
+        if _is_dask_collection(X):
+            from .distributed import predict_dask
+
+            return predict_dask(self, X)
+        if is_device_array(X):
+            engine = self._stream_engine()
+            if engine is None or not engine.accepts_device_arrays:
+                raise ValidationError(
+                    "got a CUDA device array, but this model's engine takes host arrays"
+                )
+            return engine.predict(X)
+        X_arr, _ = validate_features(
+            X,
+            dtype=self._config.dtype,
+            n_features=self.n_features_in_,
+            feature_names=getattr(self, "feature_names_in_", None),
+            fitted=True,
+            owner=type(self).__name__,
+        )
+        beta = self._coefficients()
+        out = X_arr @ beta[: self.n_features_in_]
+        if self._config.fit_intercept:
+            out += beta[-1]
+        return out
+
+    def score(self, X: Any, y: Any, sample_weight: Any | None = None) -> float:
+        """Coefficient of determination R² (weighted when ``sample_weight`` is given)."""
+        if _is_dask_collection(X) or _is_dask_collection(y):
+            from .distributed import score_dask
+
+            return score_dask(self, X, y, sample_weight)
+        return super().score(X, y, sample_weight=sample_weight)
+
+    # -- persistence ---------------------------------------------------------------
+    def save(self, path: str | os.PathLike[str]) -> os.PathLike[str]:
+        """Write a portable checkpoint (``.npz``) of the fitted stream; returns its path."""
+        self._require_fitted()
+        return save_checkpoint(
+            path,
+            Checkpoint(
+                config=self._config,
+                state=self.state_,
+                feature_names=getattr(self, "feature_names_in_", None),
+                engine=self.engine_,
+            ),
+        )
+
+    @classmethod
+    def load(
+        cls,
+        path: str | os.PathLike[str],
+        engine: str | None = None,
+        device: str | int | None = None,
+    ) -> RenewableHuberRegressor:
+        """Restore a model from a checkpoint, optionally onto another engine or device.
+
+        The engine is created lazily, when the stream continues, so a checkpoint
+        written by the GPU engine loads (and predicts on the host) anywhere;
+        continuing it there needs ``engine="numpy"``.
+        """
+        ckpt = load_checkpoint(path)
+        config = ckpt.config
+        model = cls(
+            tau=config.tau,
+            penalty=config.penalty,
+            lambda_scale=config.lambda_scale,
+            bandwidth_scale=config.bandwidth_scale,
+            fit_intercept=config.fit_intercept,
+            max_iter=config.max_iter,
+            tol=config.tol,
+            ridge=config.ridge,
+            engine=engine if engine is not None else ckpt.engine,
+            device=device,
+            dtype=config.dtype,
+        )
+        model._restore(config, ckpt.state, ckpt.feature_names)
+        return model
+
+    def _restore(
+        self, config: HuberConfig, state: HuberState, feature_names: np.ndarray | None
+    ) -> None:
+        self._engine = None
+        self._config = config
+        self._pending_state = state
+        self.engine_ = resolve_engine_name(self.engine, self.device)
+        self.n_features_in_ = state.n_features_in
+        if feature_names is not None:
+            self.feature_names_in_ = feature_names
+
+    def __getstate__(self) -> dict[str, Any]:
+        # Pickle the portable state, never a (possibly device-resident) engine.
+        data = dict(self.__dict__)
+        engine = data.pop("_engine", None)
+        if engine is not None and hasattr(self, "n_features_in_"):
+            data["_pending_state"] = engine.export_state()
+        data["_engine"] = None
+        return data

@@ -1,0 +1,51 @@
+"""Errors raised by rh-dask.
+
+Every error a user can cause derives from :class:`RhDaskError`, so that a
+caller can catch the library's errors without catching unrelated ones.
+"""
+
+from __future__ import annotations
+
+from sklearn.exceptions import NotFittedError
+
+__all__ = [
+    "CheckpointError",
+    "EngineUnavailableError",
+    "NotFittedError",
+    "RhDaskError",
+    "StreamError",
+    "ValidationError",
+]
+
+
+class RhDaskError(Exception):
+    """Base class of the errors rh-dask raises on purpose."""
+
+
+class ValidationError(RhDaskError, ValueError):
+    """A batch, a weight vector or a parameter failed validation.
+
+    The model is left exactly as it was before the call that raised.
+    """
+
+
+class EngineUnavailableError(RhDaskError, RuntimeError):
+    """An explicitly requested engine (or device) cannot be started here."""
+
+
+class CheckpointError(RhDaskError, ValueError):
+    """A checkpoint file is corrupted, foreign or of an unsupported version."""
+
+
+class StreamError(RhDaskError, RuntimeError):
+    """A distributed stream failed part-way (a bad chunk, a lost worker).
+
+    Attributes
+    ----------
+    chunk_index : int or None
+        Index of the chunk that failed, when the failure belongs to one.
+    """
+
+    def __init__(self, message: str, chunk_index: int | None = None) -> None:
+        super().__init__(message)
+        self.chunk_index = chunk_index

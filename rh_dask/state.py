@@ -1,0 +1,158 @@
+"""The portable estimator state and the per-batch diagnostics.
+
+These are plain NumPy containers: every engine exports to and imports from
+them, checkpoints store them, and they cross process and device boundaries.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+import numpy as np
+
+from .exceptions import ValidationError
+
+
+@dataclass
+class HuberState:
+    """Everything the renewable estimator retains after a batch: O(p²) numbers.
+
+    Attributes
+    ----------
+    coefficients : ndarray of shape (p,)
+        β, the intercept last when ``fit_intercept``.
+    information : ndarray of shape (p, p)
+        J, the accumulated (unnormalised) curvature information.
+    n_samples_seen : int
+        Rows consumed so far, zero-weight rows included.
+    batch_count : int
+        Batches consumed so far.
+    previous_lambda : float
+        Penalty level of the last batch (0 without a penalty).
+    weight_sum : float
+        Accumulated frequency weight W.
+    n_features_in : int
+        Number of features d (not parameters).
+    fit_intercept : bool
+        Whether the last parameter is an intercept.
+    """
+
+    coefficients: np.ndarray
+    information: np.ndarray
+    n_samples_seen: int = 0
+    batch_count: int = 0
+    previous_lambda: float = 0.0
+    weight_sum: float = 0.0
+    n_features_in: int = 0
+    fit_intercept: bool = True
+
+    @classmethod
+    def empty(cls, n_features: int, fit_intercept: bool, dtype: np.dtype | str) -> HuberState:
+        """The state before the first batch: β = 0, J = 0, counters 0."""
+        p = n_features + int(fit_intercept)
+        return cls(
+            coefficients=np.zeros(p, dtype=dtype),
+            information=np.zeros((p, p), dtype=dtype),
+            n_features_in=int(n_features),
+            fit_intercept=bool(fit_intercept),
+        )
+
+    @property
+    def n_params(self) -> int:
+        return self.n_features_in + int(self.fit_intercept)
+
+    def copy(self) -> HuberState:
+        return HuberState(
+            coefficients=np.array(self.coefficients, copy=True),
+            information=np.array(self.information, copy=True),
+            n_samples_seen=self.n_samples_seen,
+            batch_count=self.batch_count,
+            previous_lambda=self.previous_lambda,
+            weight_sum=self.weight_sum,
+            n_features_in=self.n_features_in,
+            fit_intercept=self.fit_intercept,
+        )
+
+    def astype(self, dtype: np.dtype | str) -> HuberState:
+        """A copy whose arrays are in ``dtype`` (moving a stream between precisions)."""
+        out = self.copy()
+        out.coefficients = out.coefficients.astype(dtype)
+        out.information = out.information.astype(dtype)
+        return out
+
+    def counters(self) -> dict[str, int | float | bool]:
+        """The scalar fields, as JSON-friendly Python values."""
+        return {
+            "n_samples_seen": int(self.n_samples_seen),
+            "batch_count": int(self.batch_count),
+            "previous_lambda": float(self.previous_lambda),
+            "weight_sum": float(self.weight_sum),
+            "n_features_in": int(self.n_features_in),
+            "fit_intercept": bool(self.fit_intercept),
+        }
+
+    def validate(self, dtype: np.dtype | str | None = None) -> None:
+        """Check shapes, finiteness and counters; raise :class:`ValidationError`."""
+        p = self.n_params
+        beta = np.asarray(self.coefficients)
+        info = np.asarray(self.information)
+        if self.n_features_in < 1:
+            raise ValidationError(f"state has n_features_in={self.n_features_in}, need >= 1")
+        if beta.shape != (p,):
+            raise ValidationError(f"state coefficients have shape {beta.shape}, expected ({p},)")
+        if info.shape != (p, p):
+            raise ValidationError(f"state information has shape {info.shape}, expected ({p}, {p})")
+        for name, arr in (("coefficients", beta), ("information", info)):
+            if arr.dtype.kind != "f":
+                raise ValidationError(f"state {name} must be floating point, got {arr.dtype}")
+            if dtype is not None and arr.dtype != np.dtype(dtype):
+                raise ValidationError(f"state {name} dtype {arr.dtype} differs from {dtype}")
+            if not np.all(np.isfinite(arr)):
+                raise ValidationError(f"state {name} contain non-finite values")
+        if self.n_samples_seen < 0 or self.batch_count < 0:
+            raise ValidationError("state counters must be non-negative")
+        if not (np.isfinite(self.weight_sum) and self.weight_sum >= 0):
+            raise ValidationError(
+                f"state weight_sum must be finite and >= 0, got {self.weight_sum}"
+            )
+        if not (np.isfinite(self.previous_lambda) and self.previous_lambda >= 0):
+            raise ValidationError(
+                f"state previous_lambda must be finite and >= 0, got {self.previous_lambda}"
+            )
+
+    def equals(self, other: HuberState) -> bool:
+        """Bit-for-bit equality of arrays and counters."""
+        return (
+            self.counters() == other.counters()
+            and np.array_equal(self.coefficients, other.coefficients)
+            and np.array_equal(self.information, other.information)
+            and self.coefficients.dtype == other.coefficients.dtype
+        )
+
+
+@dataclass(frozen=True)
+class BatchDiagnostics:
+    """What one batch's solve reports.
+
+    Attributes
+    ----------
+    iterations : int
+        Newton or LAMM iterations run on the batch.
+    converged : bool
+        Whether the step criterion was met within ``max_iter``.
+    objective : float
+        Surrogate objective at the batch's estimate (plus λ‖β‖₁ for L1).
+    lambda_value : float
+        Penalty level λ_b of the batch (0 without a penalty).
+    bandwidth : float
+        Smoothing bandwidth h of the batch.
+    """
+
+    iterations: int
+    converged: bool
+    objective: float
+    lambda_value: float
+    bandwidth: float
+
+    def to_dict(self) -> dict[str, int | bool | float]:
+        return {f.name: getattr(self, f.name) for f in fields(self)}

@@ -1,0 +1,244 @@
+"""Batch validation: every check runs before any engine sees the data.
+
+A failure raises :class:`~rh_dask.exceptions.ValidationError` naming the
+problem; nothing is modified. Host inputs are converted with scikit-learn's
+``check_array`` (so pandas, lists and object arrays of numbers behave as in
+scikit-learn); CUDA arrays are passed through untouched for engines that take
+them, which check them on their device.
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+from sklearn.utils import check_array
+
+from .exceptions import ValidationError
+
+# DLPack device types that live on a CUDA device (kDLCUDA, kDLCUDAHost, kDLCUDAManaged).
+_DLPACK_CUDA_TYPES = {2, 3, 13}
+
+
+@dataclass(frozen=True)
+class Batch:
+    """A validated batch, ready for an engine."""
+
+    X: Any
+    y: Any
+    sample_weight: Any | None
+    feature_names: np.ndarray | None
+
+    @property
+    def n_rows(self) -> int:
+        return int(self.X.shape[0])
+
+
+def is_device_array(obj: Any) -> bool:
+    """True for CuPy arrays and other CUDA arrays (CUDA array interface or DLPack)."""
+    if hasattr(obj, "__cuda_array_interface__"):
+        return True
+    dev = getattr(obj, "__dlpack_device__", None)
+    if dev is None or isinstance(obj, np.ndarray):
+        return False
+    try:
+        return int(dev()[0]) in _DLPACK_CUDA_TYPES
+    except Exception:
+        return False
+
+
+def feature_names_of(X: Any) -> np.ndarray | None:
+    """Column names of a dataframe-like X when they are all strings, else None."""
+    columns = getattr(X, "columns", None)
+    if columns is None or not hasattr(X, "shape") or len(getattr(X, "shape", ())) != 2:
+        return None
+    names = np.asarray(list(columns), dtype=object)
+    kinds = {isinstance(c, str) for c in names}
+    if kinds == {True}:
+        return names
+    if kinds == {True, False}:
+        raise ValidationError(
+            "Feature names are only supported if all input features have string names, "
+            f"but your input has {sorted({type(c).__name__ for c in names})} as feature name "
+            "types. Convert all of them to strings."
+        )
+    return None
+
+
+def check_feature_names(
+    names: np.ndarray | None,
+    expected: np.ndarray | None,
+    *,
+    fitted: bool,
+    owner: str,
+) -> None:
+    """Raise when names disagree with the stream's; warn when one side has none."""
+    if not fitted:
+        return
+    if expected is None:
+        if names is not None:
+            warnings.warn(
+                f"X has feature names, but {owner} was fitted without feature names",
+                UserWarning,
+                stacklevel=4,
+            )
+        return
+    if names is None:
+        warnings.warn(
+            f"X does not have valid feature names, but {owner} was fitted with feature names",
+            UserWarning,
+            stacklevel=4,
+        )
+        return
+    if len(names) == len(expected) and np.array_equal(names, expected):
+        return
+    message = "The feature names should match those that were passed during fit.\n"
+    unseen = [n for n in names if n not in set(expected)]
+    missing = [n for n in expected if n not in set(names)]
+    if unseen:
+        message += "Feature names unseen at fit time:\n" + "".join(f"- {n}\n" for n in unseen)
+    if missing:
+        message += "Feature names seen at fit time, yet now missing:\n" + "".join(
+            f"- {n}\n" for n in missing
+        )
+    if not unseen and not missing:
+        message += "Feature names must be in the same order as they were in fit.\n"
+    raise ValidationError(message)
+
+
+def _as_host_array(value: Any, name: str, dtype: np.dtype, *, two_d: bool) -> np.ndarray:
+    try:
+        with warnings.catch_warnings():
+            # A column vector y is an error here, not a warning.
+            warnings.simplefilter("error", category=UserWarning)
+            arr = check_array(
+                value,
+                dtype=dtype,
+                order="C",
+                ensure_2d=two_d,
+                ensure_all_finite=True,
+                ensure_min_samples=1 if two_d else 0,
+                ensure_min_features=1,
+                accept_sparse=False,
+                input_name=name,
+            )
+    except ValidationError:
+        raise
+    except (ValueError, TypeError) as exc:
+        raise ValidationError(f"{name}: {exc}") from exc
+    if not two_d and arr.ndim != 1:
+        if arr.ndim == 2 and arr.shape[1] == 1:
+            raise ValidationError(
+                f"{name} must be 1-D, got shape {arr.shape}; pass {name}.ravel() "
+                "(only single-output regression is supported)"
+            )
+        raise ValidationError(f"{name} must be 1-D, got shape {arr.shape}")
+    return arr
+
+
+def validate_weights(sample_weight: Any, n: int, dtype: np.dtype) -> np.ndarray | None:
+    """Finite, non-negative frequency weights with a positive sum (None = all ones)."""
+    if sample_weight is None:
+        return None
+    if np.isscalar(sample_weight):
+        sample_weight = np.full(n, sample_weight)
+    w = _as_host_array(sample_weight, "sample_weight", dtype, two_d=False)
+    if w.shape != (n,):
+        raise ValidationError(f"sample_weight has shape {w.shape}, expected ({n},)")
+    if np.any(w < 0):
+        raise ValidationError("sample_weight must be non-negative")
+    if not np.sum(w, dtype=np.float64) > 0:
+        raise ValidationError("sample_weight must have a positive sum")
+    return w
+
+
+def validate_features(
+    X: Any,
+    *,
+    dtype: np.dtype | str,
+    n_features: int | None,
+    feature_names: np.ndarray | None,
+    fitted: bool,
+    owner: str = "RenewableHuberRegressor",
+) -> tuple[np.ndarray, np.ndarray | None]:
+    """Validate a host X (for fitting or predicting); return it and its names."""
+    dtype = np.dtype(dtype)
+    names = feature_names_of(X)
+    check_feature_names(names, feature_names, fitted=fitted, owner=owner)
+    arr = _as_host_array(X, "X", dtype, two_d=True)
+    if n_features is not None and arr.shape[1] != n_features:
+        raise ValidationError(
+            f"X has {arr.shape[1]} features, but {owner} is expecting {n_features} "
+            "features as input."
+        )
+    return arr, names
+
+
+def validate_batch(
+    X: Any,
+    y: Any,
+    sample_weight: Any | None = None,
+    *,
+    dtype: np.dtype | str,
+    n_features: int | None = None,
+    feature_names: np.ndarray | None = None,
+    fitted: bool = False,
+    accept_device: bool = False,
+    owner: str = "RenewableHuberRegressor",
+) -> Batch:
+    """Validate one batch for ``partial_fit``.
+
+    Parameters
+    ----------
+    X, y, sample_weight
+        The batch. ``sample_weight=None`` means all ones.
+    dtype
+        The stream's dtype; host inputs are cast to it.
+    n_features, feature_names, fitted
+        What the stream has seen so far (``fitted=False`` before the first batch).
+    accept_device
+        Whether CUDA arrays may pass through (the engine checks them).
+
+    Raises
+    ------
+    ValidationError
+        Naming the first problem found.
+    """
+    dtype = np.dtype(dtype)
+    device_inputs = [is_device_array(a) for a in (X, y, sample_weight) if a is not None]
+    if any(device_inputs):
+        if not accept_device:
+            raise ValidationError(
+                "got a CUDA device array, but this engine takes host (NumPy) arrays; "
+                "copy it to the host first or use engine='gpu'"
+            )
+        if not all(device_inputs):
+            raise ValidationError(
+                "X, y and sample_weight must all be on the host or all on the device"
+            )
+        if fitted and len(X.shape) == 2 and n_features is not None and X.shape[1] != n_features:
+            raise ValidationError(
+                f"X has {X.shape[1]} features, but {owner} is expecting {n_features} "
+                "features as input."
+            )
+        return Batch(X, y, sample_weight, None)
+    X_arr, names = validate_features(
+        X,
+        dtype=dtype,
+        n_features=n_features if fitted else None,
+        feature_names=feature_names,
+        fitted=fitted,
+        owner=owner,
+    )
+    n = X_arr.shape[0]
+    if y is None:
+        raise ValidationError("y must not be None: a regressor needs targets")
+    y_arr = _as_host_array(y, "y", dtype, two_d=False)
+    if y_arr.shape[0] != n:
+        raise ValidationError(
+            f"X and y have inconsistent numbers of rows: {n} and {y_arr.shape[0]}"
+        )
+    w = validate_weights(sample_weight, n, dtype)
+    return Batch(X_arr, y_arr, w, names)
