@@ -164,8 +164,17 @@ class _Batch:
         if self.w is not None:
             k *= self.w
         np.sqrt(k, out=k)
-        np.multiply(self.Z, k[:, None], out=self.scaled)
-        return self.scaled.T @ self.scaled
+        # Rows beyond τ + h have κ = 0 and add nothing; heavy-tailed streams have
+        # many, so gather only the contributing rows before the O(n p²) SYRK.
+        rows = np.flatnonzero(k)
+        if rows.size < 0.9 * k.size:
+            scaled = self.scaled[: rows.size]
+            np.take(self.Z, rows, axis=0, out=scaled)
+            scaled *= k[rows, None]
+        else:
+            scaled = self.scaled
+            np.multiply(self.Z, k[:, None], out=scaled)
+        return scaled.T @ scaled
 
     def loss(self) -> float:
         """Σ w ρ(r) with ρ(r) = ψ (r − ψ/2)."""

@@ -1,0 +1,139 @@
+"""Shared plumbing of the benchmarks: environment metadata, fingerprints, JSON output.
+
+Every benchmark writes one schema-versioned JSON document holding the
+hardware, the library versions, the shapes, every raw timing and the summary
+statistics, so that results can be compared across runs and machines.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import hashlib
+import json
+import os
+import platform
+import statistics
+import subprocess
+from collections.abc import Iterable
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+
+def package_versions(names: Iterable[str]) -> dict[str, str | None]:
+    """Installed versions of ``names`` (None where not installed)."""
+    out: dict[str, str | None] = {}
+    for name in names:
+        try:
+            out[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            out[name] = None
+    return out
+
+
+def blas_info() -> list[dict[str, Any]]:
+    """BLAS/OpenMP libraries NumPy uses (threadpoolctl), when available."""
+    try:
+        from threadpoolctl import threadpool_info
+    except ImportError:
+        return []
+    keys = ("internal_api", "version", "num_threads", "architecture", "threading_layer")
+    return [{k: info.get(k) for k in keys} for info in threadpool_info()]
+
+
+def gpu_info() -> dict[str, Any] | None:
+    """Name, driver, CUDA and CuPy versions of the current GPU, or None."""
+    try:
+        import cupy
+    except ImportError:
+        return None
+    try:
+        device = cupy.cuda.Device()
+        props = cupy.cuda.runtime.getDeviceProperties(device.id)
+        name = props["name"]
+        return {
+            "name": name.decode() if isinstance(name, bytes) else str(name),
+            "compute_capability": device.compute_capability,
+            "multiprocessors": int(props["multiProcessorCount"]),
+            "memory_bytes": int(props["totalGlobalMem"]),
+            "driver_version": cupy.cuda.runtime.driverGetVersion(),
+            "runtime_version": cupy.cuda.runtime.runtimeGetVersion(),
+            "cupy_version": cupy.__version__,
+        }
+    except Exception as exc:  # a broken driver is worth recording, not fatal
+        return {"error": repr(exc)}
+
+
+def cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def git_revision() -> str | None:
+    try:
+        return subprocess.run(
+            ["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True
+        ).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return None
+
+
+def environment() -> dict[str, Any]:
+    """Everything about the machine and software a reader needs to trust a number."""
+    return {
+        "timestamp": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "hostname": platform.node(),
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "cpu": cpu_model(),
+        "cpu_count": os.cpu_count(),
+        "blas": blas_info(),
+        "gpu": gpu_info(),
+        "packages": package_versions(
+            ["rh-dask", "numpy", "scipy", "scikit-learn", "dask", "distributed", "cupy",
+             "cupy-cuda12x", "cupy-cuda13x", "dask-cuda", "renewable-huber", "dask-ml"]
+        ),
+        "git_revision": git_revision(),
+    }
+
+
+def fingerprint(*arrays: np.ndarray) -> str:
+    """SHA-256 of the arrays' dtypes, shapes and bytes (identifies a dataset)."""
+    h = hashlib.sha256()
+    for arr in arrays:
+        arr = np.ascontiguousarray(arr)
+        h.update(f"{arr.dtype.str}{arr.shape}".encode())
+        h.update(arr.tobytes())
+    return h.hexdigest()
+
+
+def summarize(samples: list[float]) -> dict[str, float]:
+    """Median, min, max and spread of repeated timings (seconds)."""
+    return {
+        "median": statistics.median(samples),
+        "min": min(samples),
+        "max": max(samples),
+        "repeats": len(samples),
+    }
+
+
+def write_json(path: str | os.PathLike[str], payload: dict[str, Any]) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(payload, indent=2, sort_keys=False, default=_jsonable) + "\n")
+    return path
+
+
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, np.generic):
+        return value.item()
+    if isinstance(value, np.ndarray):
+        return value.tolist()
+    raise TypeError(f"not JSON serialisable: {type(value).__name__}")
