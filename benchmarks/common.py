@@ -97,8 +97,20 @@ def environment() -> dict[str, Any]:
         "blas": blas_info(),
         "gpu": gpu_info(),
         "packages": package_versions(
-            ["rh-dask", "numpy", "scipy", "scikit-learn", "dask", "distributed", "cupy",
-             "cupy-cuda12x", "cupy-cuda13x", "dask-cuda", "renewable-huber", "dask-ml"]
+            [
+                "rh-dask",
+                "numpy",
+                "scipy",
+                "scikit-learn",
+                "dask",
+                "distributed",
+                "cupy",
+                "cupy-cuda12x",
+                "cupy-cuda13x",
+                "dask-cuda",
+                "renewable-huber",
+                "dask-ml",
+            ]
         ),
         "git_revision": git_revision(),
     }

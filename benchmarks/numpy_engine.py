@@ -11,18 +11,13 @@ backend as an opponent. Writes schema-versioned JSON.
 from __future__ import annotations
 
 import argparse
-import sys
 import time
-from pathlib import Path
 
 import numpy as np
+from common import environment, fingerprint, summarize, write_json
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from common import environment, fingerprint, summarize, write_json  # noqa: E402
-
-from rh_dask import HuberConfig, NumpyEngine  # noqa: E402
-from rh_dask.datasets import StreamSpec  # noqa: E402
+from rh_dask import HuberConfig, NumpyEngine
+from rh_dask.datasets import StreamSpec
 
 SCHEMA = "rh-dask/bench/numpy-engine/1"
 
@@ -108,7 +103,9 @@ def main(argv: list[str] | None = None) -> int:
                         "iterations": its,
                     },
                 }
-                line = f"{shape:9s} {dtype} {penalty:4s} rh-dask {np.median(samples) * 1e3:9.1f} ms"
+                line = (
+                    f"{shape:9s} {dtype} {penalty:4s} rh-dask {np.median(samples) * 1e3:9.1f} ms"
+                )
                 if args.opponent:
                     result = time_opponent(batches, config, args.repeats)
                     if result is not None:
