@@ -10,9 +10,11 @@ coordinator in :mod:`rh_dask.distributed`.
 from __future__ import annotations
 
 import os
+import time
 from typing import Any
 
 import numpy as np
+import pandas as pd
 from sklearn.base import BaseEstimator, RegressorMixin
 
 from .checkpoint import Checkpoint, load_checkpoint, save_checkpoint
@@ -22,7 +24,11 @@ from .exceptions import NotFittedError, ValidationError
 from .state import BatchDiagnostics, HuberState
 from .validation import is_device_array, validate_batch, validate_features
 
-__all__ = ["RenewableHuberRegressor"]
+__all__ = ["HISTORY_COLUMNS", "RenewableHuberRegressor"]
+
+#: Columns of ``RenewableHuberRegressor.history_``.
+HISTORY_COLUMNS = ("batch", "chunk", "rows", "iterations", "converged", "objective", "seconds")
+_HISTORY_DTYPES = ("int64", "int64", "int64", "int64", "bool", "float64", "float64")
 
 
 def _is_dask_collection(obj: Any) -> bool:
@@ -70,6 +76,24 @@ class RenewableHuberRegressor(RegressorMixin, BaseEstimator):
         Device of the engine, e.g. ``"cuda:0"``.
     dtype : {"float64", "float32"}, default="float64"
         Precision of the whole computation.
+    lookahead : int, default=8
+        Dask streams only: how many chunks load ahead of the engine, in
+        parallel, while it fits the current one. Look-ahead host memory is
+        bounded by this many chunks. See ``docs/distributed.md`` for how the
+        default was measured.
+    loader : {"auto", "engine-worker", "cluster"}, default="auto"
+        Dask streams only: where chunks load. ``"engine-worker"`` computes them
+        on the threads of the worker holding the engine (no transfer);
+        ``"cluster"`` computes them on any worker and moves each finished
+        chunk to the engine's worker. ``"auto"`` loads on the engine's worker
+        unless it has a single thread and other workers exist.
+    worker : str, default=None
+        Dask streams only: address of the worker that hosts the engine actor.
+        ``None`` picks one: a worker advertising ``resources={"GPU": 1}`` for
+        the GPU engine, any worker for the NumPy engine.
+    progress : bool, default=None
+        Dask streams only: show a progress bar (chunks/s, rows/s) while
+        fitting. ``None`` shows it when stderr is a terminal.
 
     Attributes
     ----------
@@ -91,6 +115,14 @@ class RenewableHuberRegressor(RegressorMixin, BaseEstimator):
         Diagnostics of the last batch.
     engine_ : str
         The engine actually in use (``"numpy"`` or ``"gpu"``).
+    history_ : pandas.DataFrame
+        One row per consumed batch since the last reset, with columns
+        ``batch`` (position in the stream), ``chunk`` (index of the chunk in
+        the collection given to that call; 0 for an in-memory batch), ``rows``,
+        ``iterations``, ``converged``, ``objective`` and ``seconds`` (engine
+        time of the batch).
+    n_empty_chunks_ : int
+        Zero-row chunks of Dask streams skipped since the last reset.
 
     Examples
     --------
@@ -120,6 +152,10 @@ class RenewableHuberRegressor(RegressorMixin, BaseEstimator):
         engine: str = "auto",
         device: str | int | None = None,
         dtype: str = "float64",
+        lookahead: int = 8,
+        loader: str = "auto",
+        worker: str | None = None,
+        progress: bool | None = None,
     ) -> None:
         self.tau = tau
         self.penalty = penalty
@@ -132,6 +168,10 @@ class RenewableHuberRegressor(RegressorMixin, BaseEstimator):
         self.engine = engine
         self.device = device
         self.dtype = dtype
+        self.lookahead = lookahead
+        self.loader = loader
+        self.worker = worker
+        self.progress = progress
 
     # -- configuration ---------------------------------------------------------
     def _make_config(self) -> HuberConfig:
@@ -172,6 +212,8 @@ class RenewableHuberRegressor(RegressorMixin, BaseEstimator):
             "diagnostics_",
             "engine_",
             "_config",
+            "_history",
+            "_n_empty_chunks",
         ):
             self.__dict__.pop(name, None)
         return self
@@ -226,8 +268,18 @@ class RenewableHuberRegressor(RegressorMixin, BaseEstimator):
             owner=type(self).__name__,
         )
         engine = self._engine_for(config, name)
+        start = time.perf_counter()
         diagnostics = engine.partial_fit(batch.X, batch.y, batch.sample_weight)
-        self._record_batch(engine, config, diagnostics, int(batch.X.shape[1]), batch.feature_names)
+        seconds = time.perf_counter() - start
+        self._record_batch(
+            engine,
+            config,
+            diagnostics,
+            int(batch.X.shape[1]),
+            batch.feature_names,
+            rows=int(batch.X.shape[0]),
+            seconds=seconds,
+        )
         return self
 
     def _check_stream_config(self, config: HuberConfig) -> None:
@@ -255,8 +307,12 @@ class RenewableHuberRegressor(RegressorMixin, BaseEstimator):
         diagnostics: BatchDiagnostics,
         n_features: int,
         feature_names: np.ndarray | None,
+        *,
+        rows: int,
+        seconds: float,
+        chunk: int = 0,
     ) -> None:
-        """Mirror one consumed batch into the scikit-learn attributes."""
+        """Mirror one consumed batch into the scikit-learn attributes and history."""
         if not hasattr(self, "n_features_in_"):
             self._config = config
             self.engine_ = engine.name
@@ -265,6 +321,83 @@ class RenewableHuberRegressor(RegressorMixin, BaseEstimator):
                 self.feature_names_in_ = feature_names
         self.diagnostics_ = diagnostics
         self.n_iter_ = diagnostics.iterations
+        self._history_rows().append(
+            (
+                engine.batch_count - 1,
+                chunk,
+                rows,
+                diagnostics.iterations,
+                diagnostics.converged,
+                diagnostics.objective,
+                seconds,
+            )
+        )
+
+    def _history_rows(self) -> list[tuple[Any, ...]]:
+        if "_history" not in self.__dict__:
+            self._history = []
+        return self._history
+
+    def _adopt_stream(
+        self,
+        config: HuberConfig,
+        engine_name: str,
+        state: HuberState,
+        feature_names: np.ndarray | None,
+        records: list[tuple[int, int, BatchDiagnostics, float]],
+    ) -> None:
+        """Take over the state a remote engine reached (see :mod:`rh_dask.distributed`).
+
+        ``records`` are ``(chunk, rows, diagnostics, seconds)`` of the batches
+        that led there, in order.
+        """
+        if not records:
+            return
+        engine = getattr(self, "_engine", None)
+        if engine is not None and engine.config == config and engine.name == engine_name:
+            engine.import_state(state)  # keeps the local engine's workspaces
+            self._pending_state = None
+        else:
+            self._engine = None
+            self._pending_state = state
+        if not hasattr(self, "n_features_in_"):
+            self._config = config
+            self.engine_ = engine_name
+            self.n_features_in_ = state.n_features_in
+            if feature_names is not None:
+                self.feature_names_in_ = feature_names
+        first = state.batch_count - len(records)
+        history = self._history_rows()
+        for offset, (chunk, rows, diagnostics, seconds) in enumerate(records):
+            history.append(
+                (
+                    first + offset,
+                    chunk,
+                    rows,
+                    diagnostics.iterations,
+                    diagnostics.converged,
+                    diagnostics.objective,
+                    seconds,
+                )
+            )
+        self.diagnostics_ = records[-1][2]
+        self.n_iter_ = self.diagnostics_.iterations
+
+    def _count_empty_chunks(self, count: int) -> None:
+        self._n_empty_chunks = self.__dict__.get("_n_empty_chunks", 0) + int(count)
+
+    @property
+    def history_(self) -> pd.DataFrame:
+        """Per-batch history since the last reset (see the class docstring)."""
+        self._require_fitted()
+        frame = pd.DataFrame(self._history_rows(), columns=list(HISTORY_COLUMNS))
+        return frame.astype(dict(zip(HISTORY_COLUMNS, _HISTORY_DTYPES, strict=True)))
+
+    @property
+    def n_empty_chunks_(self) -> int:
+        """Zero-row chunks skipped since the last reset."""
+        self._require_fitted()
+        return int(self.__dict__.get("_n_empty_chunks", 0))
 
     # -- fitted views ------------------------------------------------------------
     def __sklearn_is_fitted__(self) -> bool:

@@ -1,0 +1,125 @@
+"""The engine actor: one engine resident on one worker for a whole stream.
+
+The actor is a ``dask.distributed`` Actor wrapping an :class:`OrderedConsumer`.
+Chunks never reach it through actor calls (a Future passed to an actor method
+arrives unresolved, and every call is a round trip): the chunk's own task,
+pinned to the actor's worker, finds the actor in that worker's memory and
+drops the loaded batch into its inbox (:func:`deliver_chunk`). The only calls
+the coordinator makes are ``begin``, a long-polling ``progress`` (one per
+several chunks) and ``end``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from typing import Any
+
+from distributed import get_worker
+
+from ..config import HuberConfig
+from ..engines import make_engine
+from ..state import HuberState
+from .consumer import OrderedConsumer, Progress
+from .items import ChunkItem
+from .loading import assemble_chunk
+
+
+class EngineActor:
+    """Holds one engine on its worker and consumes delivered chunks in order.
+
+    Parameters
+    ----------
+    engine : {"numpy", "gpu"}
+        Engine to build on the worker.
+    config : HuberConfig
+        The stream's configuration.
+    device : str, int or None
+        Passed to :func:`rh_dask.engines.make_engine` (``None``: the worker's
+        default device; a dask-cuda worker sees its GPU as device 0).
+    blas_threads : int or None
+        BLAS threads for engine calls; the coordinator passes its own process's
+        count so that the result equals a local loop bit for bit.
+    """
+
+    def __init__(
+        self,
+        engine: str,
+        config: HuberConfig,
+        device: Any = None,
+        blas_threads: int | None = None,
+    ) -> None:
+        self._consumer = OrderedConsumer(
+            lambda: make_engine(engine, config, device), blas_threads=blas_threads
+        )
+
+    def describe(self) -> dict[str, Any]:
+        """Where the engine lives: engine name, device, worker address, pid."""
+        engine = self._consumer.engine
+        return {
+            "engine": engine.name,
+            "device": engine.device,
+            "address": get_worker().address,
+            "pid": os.getpid(),
+        }
+
+    def begin(self, stream_id: str, state: HuberState | None) -> None:
+        """Start a stream from ``state`` (``None``: the empty state)."""
+        self._consumer.begin(stream_id, state)
+
+    def end(self, stream_id: str) -> HuberState | None:
+        """Stop the stream; the engine's state after the last consumed chunk."""
+        return self._consumer.end(stream_id)
+
+    def close(self) -> None:
+        """Stop the engine thread."""
+        self._consumer.close()
+
+    def deliver(self, stream_id: str, item: ChunkItem) -> bool:
+        """In-process hand-over from a chunk task on this worker (not an RPC)."""
+        return self._consumer.deliver(stream_id, item)
+
+    async def progress(
+        self, n_consumed: int, n_records: int, min_new: int, timeout: float
+    ) -> Progress:
+        """Wait until ``n_consumed + min_new`` chunks are consumed (or failure/end/timeout).
+
+        Runs on the worker's event loop, not on the actor thread, so waiting
+        here never blocks the engine or other calls.
+        """
+        loop = asyncio.get_running_loop()
+        event = asyncio.Event()
+        remove = self._consumer.add_waiter(
+            n_consumed + max(min_new, 1), lambda: loop.call_soon_threadsafe(event.set)
+        )
+        try:
+            await asyncio.wait_for(event.wait(), timeout)
+        except asyncio.TimeoutError:
+            pass
+        finally:
+            remove()
+        return self._consumer.snapshot(n_records)
+
+
+def _local_actor(actor_key: str) -> EngineActor:
+    try:
+        return get_worker().state.actors[actor_key]
+    except KeyError:
+        raise RuntimeError(f"the engine actor {actor_key} is not on this worker") from None
+
+
+def deliver_chunk(item: ChunkItem, actor_key: str, stream_id: str) -> int:
+    """Task pinned to the actor's worker: hand a loaded chunk to the actor.
+
+    Returns the chunk's size in bytes; the batch itself is kept by the actor
+    only, so Dask holds no second reference to it.
+    """
+    _local_actor(actor_key).deliver(stream_id, item)
+    return int(item.nbytes)
+
+
+def load_and_deliver(
+    x_part: Any, y_part: Any, w_part: Any, spec: Any, actor_key: str, stream_id: str
+) -> int:
+    """Load, validate and deliver a chunk in one task on the actor's worker."""
+    return deliver_chunk(assemble_chunk(x_part, y_part, w_part, spec), actor_key, stream_id)

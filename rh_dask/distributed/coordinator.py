@@ -1,0 +1,378 @@
+"""The distributed ordered walk: chunks load on the cluster, one actor consumes them.
+
+Per stream the coordinator (running in the client's process)
+
+1. places an :class:`~.actor.EngineActor` on one worker (see :mod:`.placement`)
+   and starts the stream there from the model's state;
+2. keeps up to ``lookahead`` chunks submitted ahead of the engine. Each chunk
+   is one small graph submission ending in a task pinned to the actor's
+   worker that drops the loaded batch into the actor's inbox. With
+   ``loader="engine-worker"`` the whole chunk loads on the actor's worker (no
+   transfer); with ``loader="cluster"`` it loads anywhere and only the
+   finished batch travels, worker to worker, to the actor's worker;
+3. long-polls the actor for progress (one call per ``lookahead // 2``
+   consumed chunks, not one per chunk) and releases consumed chunks' futures,
+   so that look-ahead memory stays bounded by ``lookahead`` chunks;
+4. stops at the first chunk that fails (validation, a failing task, the
+   engine refusing it) with a :class:`~rh_dask.exceptions.StreamError` naming
+   it, after taking back the state of the last good chunk; and raises, rather
+   than hangs, when the actor's worker disappears.
+
+The engine consumes chunk ``i`` only after chunk ``i - 1``: order is decided
+by the actor's inbox, never by which load finishes first.
+"""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from dask._task_spec import Task, TaskRef
+from dask.highlevelgraph import HighLevelGraph, MaterializedLayer
+from distributed import Future, wait
+
+from ..config import HuberConfig
+from ..exceptions import StreamError
+from ..state import HuberState
+from .actor import EngineActor, deliver_chunk, load_and_deliver
+from .chunks import AlignedStream, ChunkGraph
+from .consumer import BatchRecord, Progress
+from .items import BadChunk
+from .loading import assemble_chunk
+from .placement import WorkerInfo, choose_worker, cluster_workers
+from .progress import StreamProgress
+
+#: How long one progress poll may wait on the worker before answering anyway.
+POLL_SECONDS = 0.25
+#: Extra time a poll's answer may take before the actor's worker is checked.
+REPLY_GRACE_SECONDS = 5.0
+#: Seconds between liveness checks while waiting for the actor to start.
+START_CHECK_SECONDS = 1.0
+
+LOADERS = ("auto", "engine-worker", "cluster")
+
+
+@dataclass
+class ClusterOutcome:
+    """What a distributed walk leaves behind for the estimator.
+
+    Attributes
+    ----------
+    state : HuberState or None
+        Engine state after the last consumed chunk (``None``: no batch was
+        consumed, or the actor was lost and its state with it).
+    records : list of BatchRecord
+    n_empty : int
+    error : StreamError or None
+        Raised by the caller after adopting the state.
+    placement : dict
+        Where the engine ran and how chunks were loaded.
+    """
+
+    state: HuberState | None = None
+    records: list[BatchRecord] = field(default_factory=list)
+    n_empty: int = 0
+    error: BaseException | None = None
+    placement: dict[str, Any] = field(default_factory=dict)
+
+
+def resolve_loader(loader: str, host: WorkerInfo, workers: list[WorkerInfo]) -> str:
+    """Map ``loader="auto"`` to where chunks load.
+
+    Loading on the engine's worker avoids a worker-to-worker copy per chunk
+    (≈1 GB/s over TCP), which costs more than the load itself unless that
+    worker has a single thread and other workers exist to share the work.
+    """
+    if loader not in LOADERS:
+        raise ValueError(f"loader must be one of {LOADERS}, got {loader!r}")
+    if loader != "auto":
+        return loader
+    if host.nthreads < 2 and len(workers) > 1:
+        return "cluster"
+    return "engine-worker"
+
+
+def _alive(client: Any, address: str) -> bool:
+    try:
+        return address in client.scheduler_info(n_workers=-1)["workers"]
+    except Exception:  # the scheduler itself is unreachable: treat the worker as gone
+        return False
+
+
+class ActorLostError(StreamError):
+    """The worker holding the engine actor disappeared; its state went with it.
+
+    Dask never recreates a lost actor, so the stream cannot continue there.
+    The model keeps the state it had before the call.
+    """
+
+
+def _lost(address: str, consumed: int | None) -> ActorLostError:
+    where = "" if consumed is None else f" after {consumed} chunk(s)"
+    return ActorLostError(
+        f"the worker {address} holding the engine actor was lost{where}; the engine's "
+        "state went with it (the model keeps its state from before this call). "
+        "Restart from a checkpoint or refit.",
+        consumed,
+    )
+
+
+class ClusterWalk:
+    """One distributed stream: actor, look-ahead submissions, progress polling.
+
+    Parameters
+    ----------
+    client : distributed.Client
+    stream : AlignedStream
+    config : HuberConfig
+    engine : str
+        Resolved engine name.
+    device : Any
+        Device argument of the engine.
+    state : HuberState or None
+        Where the stream starts (``None``: empty state).
+    lookahead : int
+        Chunks kept loading ahead of the engine.
+    loader : {"auto", "engine-worker", "cluster"}
+    worker : str or None
+        Explicit worker address for the actor.
+    blas_threads : int or None
+        BLAS threads for engine calls on the worker.
+    progress : StreamProgress
+    """
+
+    def __init__(
+        self,
+        client: Any,
+        stream: AlignedStream,
+        config: HuberConfig,
+        engine: str,
+        device: Any,
+        state: HuberState | None,
+        *,
+        lookahead: int,
+        loader: str,
+        worker: str | None,
+        blas_threads: int | None,
+        progress: StreamProgress,
+    ) -> None:
+        self.client = client
+        self.stream = stream
+        self.config = config
+        self.engine = engine
+        self.device = device
+        self.initial_state = state
+        self.lookahead = lookahead
+        self.loader = loader
+        self.worker = worker
+        self.blas_threads = blas_threads
+        self.progress = progress
+        self.outcome = ClusterOutcome()
+        self._inflight: dict[int, Future] = {}
+        self._shared: dict[Any, Future] = {}
+        self._actor_future: Future | None = None
+        self._actor: Any = None
+
+    # -- setup ---------------------------------------------------------------------------
+    def _start_actor(self, host: WorkerInfo) -> None:
+        self._actor_future = self.client.submit(
+            EngineActor,
+            self.engine,
+            self.config,
+            self.device,
+            self.blas_threads,
+            actor=True,
+            workers=[host.address],
+            allow_other_workers=False,
+            key=f"rh-dask-engine-{uuid.uuid4().hex}",
+        )
+        # Engine start-up (a GPU context, kernel compilation) may take a while;
+        # keep checking that the worker is still there rather than wait blindly.
+        while True:
+            try:
+                wait([self._actor_future], timeout=START_CHECK_SECONDS)
+                break
+            except TimeoutError:
+                if not _alive(self.client, host.address):
+                    raise _lost(host.address, 0) from None
+        self._actor = self._actor_future.result()
+
+    def _make_graph(self, mode: str, stream_id: str) -> ChunkGraph:
+        accept_device = self.engine == "gpu"
+
+        def spec(i: int) -> Any:
+            return self.stream.spec(i, self.config.dtype, accept_device)
+
+        if mode == "engine-worker":
+            return ChunkGraph(
+                self.stream, load_and_deliver, spec, (self._actor.key, stream_id), "rh-load"
+            )
+        return ChunkGraph(self.stream, assemble_chunk, spec, (), "rh-load")
+
+    # -- submissions -----------------------------------------------------------------
+    def _submit(self, graph: ChunkGraph, i: int, mode: str, address: str, stream_id: str) -> None:
+        item_key = graph.keys[i]
+        shared = graph.shared_owned(i)
+        if mode == "engine-worker":
+            futures = self.client.get(
+                graph.subgraph(i),
+                [item_key, *shared],
+                workers=[address],
+                allow_other_workers=False,
+                priority=-i,
+                sync=False,
+            )
+        else:
+            # Load anywhere; only the pinned hand-over task runs on the actor's worker.
+            deliver_key = (f"rh-deliver-{stream_id}", i)
+            hand_over = {
+                deliver_key: Task(
+                    deliver_key, deliver_chunk, TaskRef(item_key), self._actor.key, stream_id
+                )
+            }
+            load_layer, deliver_layer = f"rh-load-{stream_id}-{i}", f"rh-deliver-{stream_id}-{i}"
+            hlg = HighLevelGraph(
+                {
+                    load_layer: MaterializedLayer(graph.subgraph(i)),
+                    deliver_layer: MaterializedLayer(
+                        hand_over,
+                        annotations={"workers": [address], "allow_other_workers": False},
+                    ),
+                },
+                {load_layer: set(), deliver_layer: {load_layer}},
+            )
+            futures = self.client.get(hlg, [deliver_key, *shared], priority=-i, sync=False)
+        self._inflight[i] = futures[0]
+        for key, fut in zip(shared, futures[1:], strict=True):
+            self._shared[key] = fut
+
+    def _release_through(self, graph: ChunkGraph, start: int, stop: int) -> None:
+        for i in range(start, stop):
+            fut = self._inflight.pop(i, None)
+            if fut is not None:
+                fut.release()
+            for key in graph.release_after(i):
+                held = self._shared.pop(key, None)
+                if held is not None:
+                    held.release()
+
+    def _release_all(self) -> None:
+        # Releasing (not cancelling) lets the scheduler forget queued loads
+        # without touching keys other computations may share.
+        for fut in [*self._inflight.values(), *self._shared.values()]:
+            fut.release()
+        self._inflight.clear()
+        self._shared.clear()
+
+    # -- progress ----------------------------------------------------------------------
+    def _first_broken(self, consumed: int) -> int | None:
+        """Lowest in-flight chunk whose loading failed (it will never arrive)."""
+        broken = [
+            i
+            for i, f in self._inflight.items()
+            if i >= consumed and f.status in ("error", "cancelled", "lost")
+        ]
+        return min(broken) if broken else None
+
+    def _load_failure(self, index: int) -> StreamError:
+        fut = self._inflight[index]
+        if fut.status == "error":
+            exc = fut.exception()
+            err = StreamError(
+                f"chunk {index} could not be loaded: {type(exc).__name__}: {exc}", index
+            )
+            err.__cause__ = exc
+            return err
+        return StreamError(f"chunk {index} was {fut.status} before it reached the engine", index)
+
+    def _poll(self, consumed: int, n_records: int, min_new: int, address: str) -> Progress:
+        while True:
+            call = self._actor.progress(consumed, n_records, min_new, POLL_SECONDS)
+            try:
+                return call.result(timeout=POLL_SECONDS + REPLY_GRACE_SECONDS)
+            except Exception as exc:  # timeout, closed comm, "worker holding Actor was lost"
+                if not _alive(self.client, address):
+                    raise _lost(address, consumed) from exc
+                if not isinstance(exc, (TimeoutError, OSError)):
+                    raise
+
+    # -- the walk ----------------------------------------------------------------------
+    def run(self) -> ClusterOutcome:
+        """Walk the stream; never raises for chunk or worker failures (see ``outcome``)."""
+        workers = cluster_workers(self.client)
+        host = choose_worker(workers, self.engine, self.worker)
+        mode = resolve_loader(self.loader, host, workers)
+        self.outcome.placement = {
+            "worker": host.address,
+            "loader": mode,
+            "engine": self.engine,
+            "lookahead": self.lookahead,
+        }
+        stream_id = uuid.uuid4().hex
+        lost = False
+        try:
+            self._start_actor(host)
+            self._actor.begin(stream_id, self.initial_state).result()
+            graph = self._make_graph(mode, stream_id)
+            self._walk(graph, mode, host.address, stream_id)
+        except StreamError as exc:
+            self.outcome.error = exc
+            lost = isinstance(exc, ActorLostError)
+        except BaseException as exc:  # KeyboardInterrupt too: still take the state back
+            self.outcome.error = exc
+            lost = self._actor is not None and not _alive(self.client, host.address)
+        finally:
+            self._release_all()
+            self._finish(stream_id, lost)
+        return self.outcome
+
+    def _walk(self, graph: ChunkGraph, mode: str, address: str, stream_id: str) -> None:
+        n = graph.n_chunks
+        consumed = submitted = 0
+        step = max(1, self.lookahead // 2)
+        records = self.outcome.records
+        while consumed < n:
+            while submitted < n and submitted - consumed < self.lookahead:
+                self._submit(graph, submitted, mode, address, stream_id)
+                submitted += 1
+            broken = self._first_broken(consumed)
+            if broken == consumed:
+                raise self._load_failure(broken)
+            want = min(step, n - consumed)
+            if broken is not None:
+                want = min(want, broken - consumed)
+            snap = self._poll(consumed, len(records), want, address)
+            self._release_through(graph, consumed, snap.consumed)
+            records.extend(snap.records)
+            self.progress.update(snap.consumed - consumed, sum(r.rows for r in snap.records))
+            consumed = snap.consumed
+            self.outcome.n_empty = snap.n_empty
+            if snap.failure is not None:
+                raise _chunk_failure(snap.failure)
+
+    def _finish(self, stream_id: str, lost: bool) -> None:
+        if self._actor is None:
+            if self._actor_future is not None:
+                self._actor_future.release()
+            return
+        if not lost:
+            try:
+                self.outcome.state = self._actor.end(stream_id).result(
+                    timeout=REPLY_GRACE_SECONDS * 12
+                )
+                self._actor.close().result(timeout=REPLY_GRACE_SECONDS * 12)
+            except Exception as exc:  # the worker died while we were finishing
+                self.outcome.state = None
+                if self.outcome.error is None:
+                    self.outcome.error = _lost(self.outcome.placement["worker"], None)
+                    self.outcome.error.__cause__ = exc
+        self._actor = None
+        self._actor_future.release()
+        self._actor_future = None
+
+
+def _chunk_failure(bad: BadChunk) -> StreamError:
+    err = StreamError(f"chunk {bad.index} was refused: {bad.reason}", bad.index)
+    err.__cause__ = bad.error
+    return err

@@ -1,0 +1,107 @@
+"""What one chunk becomes once it is loaded: the objects that travel to the engine.
+
+Loading runs on the cluster (or in local threads); the engine only ever sees
+one of these three outcomes, in chunk order. They are plain picklable
+containers so that they can cross worker boundaries.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class ChunkSpec:
+    """What a loader needs to know to turn raw chunk parts into a batch.
+
+    Attributes
+    ----------
+    index : int
+        Position of the chunk in the collection (0-based); names errors.
+    dtype : str
+        The stream's dtype, batches are cast to it.
+    n_features : int or None
+        Width every chunk must have (``None`` when the collection does not say).
+    feature_names : tuple of str or None
+        Column names every DataFrame partition must carry, in order.
+    target : str or None
+        Column of the partition holding ``y`` (``y`` given as a column name).
+    weight : str or None
+        Column of the partition holding ``sample_weight``.
+    accept_device : bool
+        Whether CUDA arrays may pass validation (GPU engine).
+    """
+
+    index: int
+    dtype: str
+    n_features: int | None
+    feature_names: tuple[str, ...] | None
+    target: str | None = None
+    weight: str | None = None
+    accept_device: bool = False
+
+    @property
+    def has_expectations(self) -> bool:
+        """Whether chunks are checked against a known width or names."""
+        return self.n_features is not None or self.feature_names is not None
+
+    @property
+    def names_array(self) -> np.ndarray | None:
+        if self.feature_names is None:
+            return None
+        return np.asarray(self.feature_names, dtype=object)
+
+
+@dataclass(frozen=True)
+class LoadedChunk:
+    """A validated batch, ready for ``Engine.partial_fit``."""
+
+    index: int
+    X: Any
+    y: Any
+    sample_weight: Any | None
+
+    @property
+    def rows(self) -> int:
+        return int(self.X.shape[0])
+
+    @property
+    def nbytes(self) -> int:
+        parts = (self.X, self.y, self.sample_weight)
+        return int(sum(getattr(p, "nbytes", 0) for p in parts if p is not None))
+
+
+@dataclass(frozen=True)
+class EmptyChunk:
+    """A chunk with zero rows: skipped and counted, never given to the engine."""
+
+    index: int
+    rows: int = 0
+    nbytes: int = 0
+
+
+@dataclass(frozen=True)
+class BadChunk:
+    """A chunk that failed validation; the stream stops in front of it.
+
+    Attributes
+    ----------
+    index : int
+        The chunk's position.
+    reason : str
+        Why it was refused (the validation message).
+    error : BaseException
+        The original exception, kept as the cause of the stream error.
+    """
+
+    index: int
+    reason: str
+    error: BaseException
+    rows: int = 0
+    nbytes: int = 0
+
+
+ChunkItem = LoadedChunk | EmptyChunk | BadChunk

@@ -1,0 +1,78 @@
+"""The task that turns one chunk's raw parts into an engine-ready batch.
+
+It runs wherever the chunk is loaded (a worker, or a local thread) so that
+validation and dtype conversion happen in parallel, off the engine's thread.
+It never raises for a bad chunk: a refusal travels as a :class:`BadChunk` so
+that the stream can stop exactly in front of it, in order.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..validation import validate_batch
+from .items import BadChunk, ChunkItem, ChunkSpec, EmptyChunk, LoadedChunk
+
+
+def chunk_parts(x_part: Any, y_part: Any, w_part: Any, spec: ChunkSpec) -> tuple[Any, Any, Any]:
+    """The chunk's ``(X, y, sample_weight)``, taking columns named in ``spec`` out of X."""
+    if spec.target is None and spec.weight is None:
+        return x_part, y_part, w_part
+    y = x_part[spec.target] if spec.target is not None else y_part
+    w = x_part[spec.weight] if spec.weight is not None else w_part
+    # Dropping (not selecting by the expected names) keeps a partition whose
+    # columns are wrong or reordered wrong, so that validation can refuse it.
+    X = x_part.drop(columns=[c for c in (spec.target, spec.weight) if c is not None])
+    return X, y, w
+
+
+def _row_count(part: Any) -> int | None:
+    shape = getattr(part, "shape", None)
+    if shape is None:
+        return None if part is None else len(part)
+    return int(shape[0]) if len(shape) else None
+
+
+def assemble_chunk(x_part: Any, y_part: Any, w_part: Any, spec: ChunkSpec) -> ChunkItem:
+    """Validate one chunk with :func:`rh_dask.validation.validate_batch`.
+
+    Parameters
+    ----------
+    x_part, y_part, w_part
+        The chunk's parts as the collection produced them (NumPy/CuPy blocks,
+        pandas partitions); ``y_part``/``w_part`` may be ``None`` when they are
+        columns of ``x_part`` (see ``spec.target``/``spec.weight``) or absent.
+    spec : ChunkSpec
+        What the stream expects of every chunk.
+
+    Returns
+    -------
+    LoadedChunk, EmptyChunk or BadChunk
+    """
+    try:
+        X, y_part, w_part = chunk_parts(x_part, y_part, w_part, spec)
+        rows = _row_count(X)
+        if rows == 0:
+            y_rows = _row_count(y_part)
+            if y_rows not in (0, None):
+                return BadChunk(
+                    spec.index,
+                    f"X has 0 rows but y has {y_rows}",
+                    ValueError("misaligned empty chunk"),
+                )
+            return EmptyChunk(spec.index)
+        batch = validate_batch(
+            X,
+            y_part,
+            w_part,
+            dtype=spec.dtype,
+            n_features=spec.n_features,
+            feature_names=spec.names_array,
+            # The stream's expectations come from the collection's metadata, so
+            # every chunk, the first included, is checked against them.
+            fitted=spec.has_expectations,
+            accept_device=spec.accept_device,
+        )
+    except Exception as exc:  # any refusal of this chunk's data ends the stream here
+        return BadChunk(spec.index, f"{type(exc).__name__}: {exc}", exc)
+    return LoadedChunk(spec.index, batch.X, batch.y, batch.sample_weight)

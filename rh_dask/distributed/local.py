@@ -1,0 +1,81 @@
+"""The single-process walk, used when no ``distributed.Client`` is around.
+
+Chunks are computed in this process with Dask's synchronous scheduler, up to
+``lookahead`` of them at once on a small thread pool, and handed to the
+caller's consumer strictly in index order. Keys shared by several chunks are
+computed once, with the first chunk that needs them (see
+:class:`~.chunks.ChunkGraph`), and live as long as a later chunk may need them.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import closing
+from typing import Any
+
+from dask._task_spec import DataNode
+from dask.local import get_sync
+
+from ..exceptions import StreamError
+from .chunks import ChunkGraph
+from .items import ChunkItem
+
+Key = Any
+
+
+def _load(
+    graph: ChunkGraph, index: int, needs: list[tuple[Key, Future[Any]]]
+) -> tuple[ChunkItem, dict[Key, Any]]:
+    dsk = graph.subgraph(index)
+    for key, owner in needs:
+        dsk[key] = DataNode(key, owner.result()[1][key])
+    shared = graph.shared_owned(index)
+    values = get_sync(dsk, [graph.keys[index], *shared])
+    return values[0], dict(zip(shared, values[1:], strict=True))
+
+
+def iter_local(graph: ChunkGraph, lookahead: int) -> Iterator[ChunkItem]:
+    """Yield every chunk's item in index order, loading ahead on threads.
+
+    Raises
+    ------
+    StreamError
+        When computing a chunk fails (naming the chunk; the cause is chained).
+    """
+    n = graph.n_chunks
+    threads = max(1, min(lookahead, os.cpu_count() or 1))
+    pool = ThreadPoolExecutor(threads, thread_name_prefix="rh-dask-load")
+    jobs: dict[int, Future[Any]] = {}
+    # A later chunk waits for the job owning a shared key; jobs start in
+    # submission (index) order, so the awaited job is always already running.
+    owners: dict[Key, Future[Any]] = {}
+    submitted = 0
+    try:
+        for i in range(n):
+            while submitted < n and submitted <= i + lookahead - 1:
+                needs = [(k, owners[k]) for k in graph.shared_needed(submitted)]
+                job = pool.submit(_load, graph, submitted, needs)
+                jobs[submitted] = job
+                for key in graph.shared_owned(submitted):
+                    owners[key] = job
+                submitted += 1
+            try:
+                item, _ = jobs.pop(i).result()
+            except Exception as exc:
+                raise StreamError(
+                    f"chunk {i} could not be loaded: {type(exc).__name__}: {exc}", i
+                ) from exc
+            for key in graph.release_after(i):
+                owners.pop(key, None)
+            yield item
+    finally:
+        pool.shutdown(wait=False, cancel_futures=True)
+
+
+def run_local(graph: ChunkGraph, lookahead: int, consume: Callable[[ChunkItem], None]) -> None:
+    """Feed ``consume`` every chunk in order (it raises to stop the stream)."""
+    with closing(iter_local(graph, lookahead)) as items:
+        for item in items:
+            consume(item)

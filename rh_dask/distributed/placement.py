@@ -1,0 +1,82 @@
+"""Choosing the worker that hosts the engine actor.
+
+* an explicit ``worker`` address wins (it must be a worker of the cluster);
+* ``engine="gpu"`` needs a worker advertising ``resources={"GPU": 1}`` (what
+  ``dask cuda worker --resources GPU=1`` and ``LocalCUDACluster(resources=...)``
+  start);
+* the NumPy engine takes any worker, preferring one without a GPU and with
+  the most threads (they load chunks next to the engine).
+
+A request no worker can host raises
+:class:`~rh_dask.exceptions.EngineUnavailableError` saying what was looked for.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from ..exceptions import EngineUnavailableError
+
+GPU_RESOURCE = "GPU"
+
+
+@dataclass(frozen=True)
+class WorkerInfo:
+    """The facts placement needs about one worker."""
+
+    address: str
+    nthreads: int
+    resources: dict[str, float]
+
+    @property
+    def has_gpu(self) -> bool:
+        return self.resources.get(GPU_RESOURCE, 0) >= 1
+
+
+def cluster_workers(client: Any) -> list[WorkerInfo]:
+    """The cluster's workers, freshly asked of the scheduler."""
+    info = client.scheduler_info(n_workers=-1)["workers"]
+    return [
+        WorkerInfo(addr, int(w.get("nthreads", 1)), dict(w.get("resources") or {}))
+        for addr, w in sorted(info.items())
+    ]
+
+
+def choose_worker(workers: list[WorkerInfo], engine: str, worker: str | None) -> WorkerInfo:
+    """Pick the worker for ``engine``.
+
+    Parameters
+    ----------
+    workers : list of WorkerInfo
+    engine : {"numpy", "gpu"}
+        The resolved engine name.
+    worker : str or None
+        An explicit address (or worker name as the scheduler reports it).
+
+    Raises
+    ------
+    EngineUnavailableError
+        When there are no workers, the address is unknown, or no worker
+        advertises a GPU for ``engine="gpu"``.
+    """
+    if not workers:
+        raise EngineUnavailableError("the Dask cluster has no workers to host the engine")
+    if worker is not None:
+        for w in workers:
+            if w.address == worker or w.address.split("://")[-1] == worker:
+                return w
+        known = ", ".join(w.address for w in workers)
+        raise EngineUnavailableError(f"worker {worker!r} is not in the cluster (workers: {known})")
+    if engine == "gpu":
+        gpus = [w for w in workers if w.has_gpu]
+        if not gpus:
+            raise EngineUnavailableError(
+                "engine='gpu' needs a worker advertising resources {'GPU': 1} (start it "
+                "with `dask cuda worker --resources GPU=1`, or LocalCUDACluster("
+                "resources={'GPU': 1})), or an explicit worker=ADDRESS; no worker of "
+                f"this cluster does ({len(workers)} workers)"
+            )
+        return max(gpus, key=lambda w: w.nthreads)
+    # NumPy engine: keep GPU workers free for GPU streams when there is a choice.
+    return max(workers, key=lambda w: (not w.has_gpu, w.nthreads))

@@ -1,0 +1,477 @@
+"""The distributed fit on a real multi-process cluster (NumPy engine, no GPU).
+
+Every equality below is bit for bit: a distributed ``fit`` must give exactly
+what a plain loop of ``partial_fit`` over the same chunks gives in this
+process. The engine actor pins BLAS to this process's thread count (see
+``rh_dask.distributed.consumer.blas_limiter``), which is what makes that hold
+although the worker processes start with one BLAS thread.
+
+One cluster serves the module: two single-threaded worker processes, the
+second advertising ``resources={"GPU": 1}`` so that placement can be tested
+without a GPU.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import dask.array as da
+import dask.dataframe as dd
+import numpy as np
+import pandas as pd
+import pytest
+from distributed import Client, LocalCluster, Nanny, Scheduler, SpecCluster
+
+from rh_dask import RenewableHuberRegressor, StreamError, ValidationError
+from rh_dask.distributed import ActorLostError
+from rh_dask.exceptions import EngineUnavailableError
+
+pytestmark = pytest.mark.timeout(180)
+
+
+def _spec_cluster() -> SpecCluster:
+    worker = {"cls": Nanny, "options": {"nthreads": 1}}
+    gpu_worker = {"cls": Nanny, "options": {"nthreads": 1, "resources": {"GPU": 1}}}
+    return SpecCluster(
+        workers={"cpu": worker, "gpu": gpu_worker},
+        scheduler={"cls": Scheduler, "options": {"dashboard_address": ":0"}},
+    )
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    with _spec_cluster() as spec, Client(spec, direct_to_workers=True, set_as_default=False) as c:
+        c.wait_for_workers(2)
+        yield c
+
+
+@pytest.fixture
+def client(cluster):
+    """The module's client, made current for the test only."""
+    with cluster.as_current():
+        yield cluster
+
+
+def _workers(client) -> dict[str, dict]:
+    return client.scheduler_info(n_workers=-1)["workers"]
+
+
+def _gpu_worker(client) -> str:
+    return next(a for a, w in _workers(client).items() if w.get("resources", {}).get("GPU"))
+
+
+def _data(n=6_000, d=5, seed=0, weights=False):
+    rng = np.random.default_rng(seed)
+    X = rng.normal(size=(n, d))
+    y = X @ rng.normal(size=d) + 0.5 + rng.standard_t(2, size=n)
+    w = rng.uniform(0.2, 3.0, size=n) if weights else None
+    return X, y, w
+
+
+def _loop(blocks, **params) -> RenewableHuberRegressor:
+    """The reference: a plain partial_fit loop over in-memory chunks."""
+    model = RenewableHuberRegressor(**params)
+    for X, y, w in blocks:
+        if len(y):
+            model.partial_fit(X, y, sample_weight=w)
+    return model
+
+
+def _row_blocks(X, y, w, chunks):
+    out, start = [], 0
+    for size in chunks:
+        rows = slice(start, start + size)
+        out.append((X[rows], y[rows], None if w is None else w[rows]))
+        start += size
+    return out
+
+
+def _same(a, b, assert_unchanged, snapshot):
+    assert_unchanged(snapshot(a), snapshot(b))
+    cols = ["batch", "rows", "iterations", "converged", "objective"]
+    pd.testing.assert_frame_equal(a.history_[cols], b.history_[cols])
+
+
+# -- equality with the plain loop ---------------------------------------------------
+@pytest.mark.parametrize("loader", ["engine-worker", "cluster"])
+def test_fit_equals_partial_fit_loop(client, loader, snapshot, assert_unchanged):
+    X, y, w = _data(weights=True)
+    chunks = (1000, 700, 1300, 1000, 2000)
+    Xd = da.from_array(X, chunks=(chunks, 5))
+    yd = da.from_array(y, chunks=(chunks,))
+    wd = da.from_array(w, chunks=(chunks,))
+    model = RenewableHuberRegressor(loader=loader, lookahead=3, progress=False)
+    model.fit(Xd, yd, sample_weight=wd)
+    ref = _loop(_row_blocks(X, y, w, chunks))
+    assert model._last_placement["loader"] == loader
+    assert len(model.history_) == len(chunks)
+    _same(model, ref, assert_unchanged, snapshot)
+
+
+def test_float32_and_l1_stream(client, snapshot, assert_unchanged):
+    X, y, _ = _data(n=4_000, d=8, seed=3)
+    params = dict(dtype="float32", penalty="l1", lambda_scale=0.5)
+    model = RenewableHuberRegressor(progress=False, **params)
+    model.fit(da.from_array(X, chunks=(800, 8)), da.from_array(y, chunks=800))
+    ref = _loop(_row_blocks(X, y, None, [800] * 5), **params)
+    assert model.coef_.dtype == np.float32
+    _same(model, ref, assert_unchanged, snapshot)
+
+
+def _slow_early(block, block_info=None):
+    # The first chunks take longest, so later ones finish loading first.
+    index = block_info[0]["chunk-location"][0]
+    time.sleep(max(0.0, 0.3 - 0.1 * index))
+    return block
+
+
+def test_order_kept_when_later_chunks_finish_first(client, snapshot, assert_unchanged):
+    X, y, _ = _data(n=3_000, seed=1)
+    Xd = da.from_array(X, chunks=(500, 5)).map_blocks(_slow_early, dtype=X.dtype)
+    yd = da.from_array(y, chunks=500)
+    model = RenewableHuberRegressor(loader="cluster", lookahead=6, progress=False)
+    model.fit(Xd, yd)
+    assert list(model.history_["chunk"]) == list(range(6))
+    _same(model, _loop(_row_blocks(X, y, None, [500] * 6)), assert_unchanged, snapshot)
+
+
+def test_multi_column_chunks_are_merged(client, snapshot, assert_unchanged):
+    X, y, _ = _data(n=3_000, d=7, seed=2)
+    Xd = da.from_array(X, chunks=(600, 3))  # three column chunks per row block
+    model = RenewableHuberRegressor(progress=False).fit(Xd, da.from_array(y, chunks=600))
+    assert model.n_features_in_ == 7
+    _same(model, _loop(_row_blocks(X, y, None, [600] * 5)), assert_unchanged, snapshot)
+
+
+def test_y_rechunked_to_x_rows(client, snapshot, assert_unchanged):
+    X, y, _ = _data(n=3_000, seed=4)
+    model = RenewableHuberRegressor(progress=False)
+    model.fit(da.from_array(X, chunks=(1000, 5)), da.from_array(y, chunks=750))
+    _same(model, _loop(_row_blocks(X, y, None, [1000] * 3)), assert_unchanged, snapshot)
+
+
+def test_shared_reduction_in_the_graph(client, snapshot, assert_unchanged):
+    # Every chunk depends on a global mean: computed once, held, not refitted.
+    X, y, _ = _data(n=3_000, seed=5)
+    raw = da.from_array(X, chunks=(500, 5))
+    Xs = raw - raw.mean(axis=0)
+    model = RenewableHuberRegressor(progress=False).fit(Xs, da.from_array(y, chunks=500))
+    ref = _loop(_row_blocks(Xs.compute(), y, None, [500] * 6))
+    _same(model, ref, assert_unchanged, snapshot)
+
+
+# -- DataFrames -----------------------------------------------------------------------
+def _frame(n=3_000, d=4, seed=6, npartitions=5):
+    X, y, w = _data(n=n, d=d, seed=seed, weights=True)
+    pdf = pd.DataFrame(X, columns=[f"f{i}" for i in range(d)])
+    pdf["target"] = y
+    pdf["w"] = w
+    return pdf, dd.from_pandas(pdf, npartitions=npartitions)
+
+
+def _partitions(ddf):
+    return [ddf.get_partition(i).compute() for i in range(ddf.npartitions)]
+
+
+def test_dataframe_target_column_and_names(client, snapshot, assert_unchanged):
+    pdf, ddf = _frame()
+    feats = [c for c in pdf.columns if c.startswith("f")]
+    model = RenewableHuberRegressor(progress=False).fit(ddf, "target", sample_weight="w")
+    ref = _loop([(p[feats], p["target"], p["w"]) for p in _partitions(ddf)])
+    assert list(model.feature_names_in_) == feats
+    _same(model, ref, assert_unchanged, snapshot)
+
+
+def test_dataframe_series_target_unknown_lengths(client, snapshot, assert_unchanged):
+    _, ddf = _frame(seed=7)
+    # A filter leaves partition lengths unknown (and makes them uneven).
+    kept = ddf[ddf["f0"] > -1.0]
+    feats = kept[["f0", "f1", "f2", "f3"]]
+    model = RenewableHuberRegressor(progress=False).fit(feats, kept["target"], kept["w"])
+    parts = _partitions(kept)
+    ref = _loop([(p[["f0", "f1", "f2", "f3"]], p["target"], p["w"]) for p in parts])
+    _same(model, ref, assert_unchanged, snapshot)
+
+
+def test_dataframe_partition_with_wrong_names_is_refused(client):
+    cols = ["a", "b"]
+    rng = np.random.default_rng(8)
+
+    def part(i):
+        frame = pd.DataFrame(rng.normal(size=(50, 2)), columns=cols)
+        frame["y"] = rng.normal(size=50)
+        return frame.rename(columns={"b": "c"}) if i == 2 else frame
+
+    meta = pd.DataFrame({"a": [], "b": [], "y": []}, dtype=float)
+    ddf = dd.from_map(part, range(4), meta=meta)
+    model = RenewableHuberRegressor(progress=False)
+    with pytest.raises(StreamError, match="chunk 2") as info:
+        model.fit(ddf, "y")
+    assert info.value.chunk_index == 2
+    assert model.history_["chunk"].tolist() == [0, 1]
+
+
+# -- empty and bad chunks ---------------------------------------------------------------
+def test_empty_chunks_are_skipped_and_counted(client, snapshot, assert_unchanged):
+    X, y, _ = _data(n=2_000, seed=9)
+    chunks = (500, 0, 700, 0, 0, 800)
+    model = RenewableHuberRegressor(progress=False)
+    model.fit(da.from_array(X, chunks=(chunks, 5)), da.from_array(y, chunks=(chunks,)))
+    assert model.n_empty_chunks_ == 3
+    assert model.history_["chunk"].tolist() == [0, 2, 5]
+    _same(model, _loop(_row_blocks(X, y, None, chunks)), assert_unchanged, snapshot)
+
+
+def test_all_empty_collection_is_refused(client):
+    X = np.empty((0, 3))
+    with pytest.raises(ValidationError, match="empty"):
+        RenewableHuberRegressor(progress=False).fit(
+            da.from_array(X, chunks=((0, 0), (3,))), da.from_array(np.empty(0), chunks=((0, 0),))
+        )
+
+
+@pytest.mark.parametrize("loader", ["engine-worker", "cluster"])
+def test_bad_chunk_stops_in_front_of_it_then_partial_fit_continues(
+    client, loader, snapshot, assert_unchanged
+):
+    X, y, _ = _data(n=3_000, seed=10)
+    bad = X.copy()
+    bad[1_234, 2] = np.nan  # inside chunk 2 of 500-row chunks
+    model = RenewableHuberRegressor(loader=loader, lookahead=4, progress=False)
+    with pytest.raises(StreamError, match="chunk 2") as info:
+        model.fit(da.from_array(bad, chunks=(500, 5)), da.from_array(y, chunks=500))
+    assert info.value.chunk_index == 2
+    assert "NaN" in str(info.value)
+    blocks = _row_blocks(X, y, None, [500] * 6)
+    _same(model, _loop(blocks[:2]), assert_unchanged, snapshot)
+    # The stream continues from the last good chunk.
+    model.partial_fit(da.from_array(X[1_000:], chunks=(500, 5)), da.from_array(y[1_000:], 500))
+    assert_unchanged(snapshot(model), snapshot(_loop(blocks)))
+
+
+def _fail_chunk_3(block, block_info=None):
+    if block_info[0]["chunk-location"][0] == 3:
+        raise OSError("disk on fire")
+    return block
+
+
+def test_failing_task_names_the_chunk(client, snapshot, assert_unchanged):
+    X, y, _ = _data(n=3_000, seed=11)
+    Xd = da.from_array(X, chunks=(500, 5)).map_blocks(_fail_chunk_3, dtype=X.dtype)
+    model = RenewableHuberRegressor(progress=False)
+    with pytest.raises(StreamError, match=r"chunk 3 could not be loaded.*disk on fire"):
+        model.fit(Xd, da.from_array(y, chunks=500))
+    _same(model, _loop(_row_blocks(X, y, None, [500] * 3)), assert_unchanged, snapshot)
+
+
+def test_wrong_width_is_refused_upfront(client):
+    X, y, _ = _data(n=1_000, seed=12)
+    model = RenewableHuberRegressor(progress=False).fit(X, y)
+    with pytest.raises(ValidationError, match="expecting 5 features"):
+        model.partial_fit(da.from_array(X[:, :4], chunks=(500, 4)), da.from_array(y, 500))
+
+
+def test_misaligned_target_is_refused(client):
+    X, y, _ = _data(n=1_000, seed=13)
+    Xd = da.from_array(X, chunks=(500, 5))
+    with pytest.raises(ValidationError, match="aligned"):
+        RenewableHuberRegressor(progress=False).fit(Xd, dd.from_pandas(pd.Series(y), 3))
+
+
+# -- refits, continuation and parameters --------------------------------------------------
+def test_fit_twice_resets(client, snapshot, assert_unchanged):
+    X, y, _ = _data(n=2_000, seed=14)
+    X2, y2, _ = _data(n=1_500, seed=15)
+    model = RenewableHuberRegressor(progress=False)
+    model.fit(da.from_array(X, chunks=(500, 5)), da.from_array(y, 500))
+    model.fit(da.from_array(X2, chunks=(500, 5)), da.from_array(y2, 500))
+    assert len(model.history_) == 3
+    _same(model, _loop(_row_blocks(X2, y2, None, [500] * 3)), assert_unchanged, snapshot)
+
+
+def test_partial_fit_mixes_memory_and_dask_batches(client, snapshot, assert_unchanged):
+    X, y, _ = _data(n=2_000, seed=16)
+    model = RenewableHuberRegressor(progress=False).partial_fit(X[:500], y[:500])
+    model.partial_fit(da.from_array(X[500:1500], chunks=(500, 5)), da.from_array(y[500:1500], 500))
+    model.partial_fit(X[1500:], y[1500:])
+    ref = _loop(_row_blocks(X, y, None, [500] * 4))
+    _same(model, ref, assert_unchanged, snapshot)
+    assert model.history_["batch"].tolist() == [0, 1, 2, 3]
+    assert model.history_["chunk"].tolist() == [0, 0, 1, 0]
+
+
+@pytest.mark.parametrize(
+    ("param", "value"), [("lookahead", 0), ("loader", "nowhere"), ("worker", 3)]
+)
+def test_bad_walk_parameters(client, param, value):
+    X, y, _ = _data(n=500)
+    model = RenewableHuberRegressor(progress=False, **{param: value})
+    with pytest.raises(ValidationError, match=param):
+        model.fit(da.from_array(X, chunks=(250, 5)), da.from_array(y, 250))
+
+
+# -- prediction and scoring ----------------------------------------------------------------
+def test_lazy_predict_and_score(client):
+    from sklearn.metrics import r2_score
+
+    X, y, w = _data(n=3_000, seed=17, weights=True)
+    model = RenewableHuberRegressor(progress=False).fit(X, y)
+    Xd = da.from_array(X, chunks=(700, 2))
+    pred = model.predict(Xd)
+    assert isinstance(pred, da.Array)
+    assert pred.chunks == ((700, 700, 700, 700, 200),)
+    np.testing.assert_array_equal(pred.compute(), model.predict(X))
+    yd, wd = da.from_array(y, chunks=700), da.from_array(w, chunks=700)
+    assert model.score(Xd, yd) == pytest.approx(r2_score(y, model.predict(X)), rel=1e-12)
+    assert model.score(Xd, yd, wd) == pytest.approx(
+        r2_score(y, model.predict(X), sample_weight=w), rel=1e-12
+    )
+
+
+def test_lazy_predict_dataframe_checks_names(client):
+    pdf, ddf = _frame(seed=18)
+    feats = ["f0", "f1", "f2", "f3"]
+    model = RenewableHuberRegressor(progress=False).fit(pdf[feats], pdf["target"])
+    pred = model.predict(ddf[feats])
+    np.testing.assert_array_equal(pred.compute(), model.predict(pdf[feats]))
+    with pytest.raises(ValidationError, match="feature names"):
+        model.predict(ddf[["f1", "f0", "f2", "f3"]])
+    assert model.score(ddf[[*feats, "target"]], "target") == pytest.approx(
+        model.score(pdf[feats], pdf["target"]), rel=1e-12
+    )
+
+
+# -- placement --------------------------------------------------------------------------
+def _gpu_is_numpy(dask_worker=None):
+    """Worker-side stand-in: let engine="gpu" build a NumPy engine there."""
+    import rh_dask.distributed.actor as actor_module
+    from rh_dask.engines import NumpyEngine
+
+    def make(name, config, device=None):
+        return NumpyEngine(config)
+
+    actor_module.make_engine = make
+
+
+def _restore_make_engine(dask_worker=None):
+    import rh_dask.distributed.actor as actor_module
+    from rh_dask.engines import make_engine
+
+    actor_module.make_engine = make_engine
+
+
+def test_gpu_engine_that_cannot_start_on_the_worker_raises(client):
+    X, y, _ = _data(n=500)
+    model = RenewableHuberRegressor(engine="gpu", progress=False)
+    with pytest.raises(EngineUnavailableError):
+        model.fit(da.from_array(X, chunks=(250, 5)), da.from_array(y, 250))
+
+
+def test_gpu_engine_is_placed_on_the_gpu_worker(client, snapshot, assert_unchanged):
+    X, y, _ = _data(n=2_000, seed=19)
+    client.run(_gpu_is_numpy)
+    try:
+        model = RenewableHuberRegressor(engine="gpu", progress=False)
+        model.fit(da.from_array(X, chunks=(500, 5)), da.from_array(y, 500))
+    finally:
+        client.run(_restore_make_engine)
+    assert model._last_placement["worker"] == _gpu_worker(client)
+    assert model.engine_ == "gpu"
+    ref = _loop(_row_blocks(X, y, None, [500] * 4))
+    np.testing.assert_array_equal(model.state_.coefficients, ref.state_.coefficients)
+
+
+def test_numpy_engine_prefers_a_cpu_worker_and_honours_an_address(client):
+    X, y, _ = _data(n=1_000)
+    Xd, yd = da.from_array(X, chunks=(500, 5)), da.from_array(y, 500)
+    model = RenewableHuberRegressor(progress=False).fit(Xd, yd)
+    assert model._last_placement["worker"] != _gpu_worker(client)
+    model = RenewableHuberRegressor(worker=_gpu_worker(client), progress=False).fit(Xd, yd)
+    assert model._last_placement["worker"] == _gpu_worker(client)
+
+
+def test_unknown_worker_address_is_a_clear_error(client):
+    X, y, _ = _data(n=500)
+    model = RenewableHuberRegressor(worker="tcp://10.255.255.1:1", progress=False)
+    with pytest.raises(EngineUnavailableError, match="not in the cluster"):
+        model.fit(da.from_array(X, chunks=(250, 5)), da.from_array(y, 250))
+
+
+def test_choose_worker_rules():
+    from rh_dask.distributed.placement import WorkerInfo, choose_worker
+
+    cpu = WorkerInfo("tcp://a:1", 4, {})
+    big = WorkerInfo("tcp://b:1", 8, {})
+    gpu = WorkerInfo("tcp://g:1", 2, {"GPU": 1})
+    assert choose_worker([cpu, gpu, big], "numpy", None) is big
+    assert choose_worker([gpu], "numpy", None) is gpu
+    assert choose_worker([cpu, gpu, big], "gpu", None) is gpu
+    assert choose_worker([cpu, gpu], "gpu", "g:1") is gpu
+    with pytest.raises(EngineUnavailableError, match="GPU"):
+        choose_worker([cpu, big], "gpu", None)
+    with pytest.raises(EngineUnavailableError, match="no workers"):
+        choose_worker([], "numpy", None)
+
+
+# -- without a client ---------------------------------------------------------------------
+def test_no_client_walks_locally(snapshot, assert_unchanged):
+    from rh_dask.distributed.fit import current_client
+
+    assert current_client() is None
+    X, y, w = _data(n=3_000, seed=20, weights=True)
+    chunks = (1000, 0, 1200, 800)
+    Xd = da.from_array(X, chunks=(chunks, 2))
+    model = RenewableHuberRegressor(lookahead=2, progress=False)
+    model.fit(Xd, da.from_array(y, chunks=(chunks,)), da.from_array(w, chunks=(chunks,)))
+    assert model.n_empty_chunks_ == 1
+    _same(model, _loop(_row_blocks(X, y, w, chunks)), assert_unchanged, snapshot)
+
+
+def test_no_client_bad_chunk(snapshot, assert_unchanged):
+    X, y, _ = _data(n=2_000, seed=21)
+    bad = X.copy()
+    bad[1_600, 0] = np.inf
+    model = RenewableHuberRegressor(progress=False)
+    with pytest.raises(StreamError, match="chunk 3") as info:
+        model.fit(da.from_array(bad, chunks=(500, 5)), da.from_array(y, 500))
+    assert info.value.chunk_index == 3
+    _same(model, _loop(_row_blocks(X, y, None, [500] * 3)), assert_unchanged, snapshot)
+
+
+def test_no_client_progress_bar(capsys):
+    X, y, _ = _data(n=1_000)
+    RenewableHuberRegressor(progress=True).fit(
+        da.from_array(X, chunks=(250, 5)), da.from_array(y, 250)
+    )
+    err = capsys.readouterr().err
+    assert "4/4" in err and "rows/s" in err
+
+
+# -- losing the engine's worker ---------------------------------------------------------------
+def _die_on_chunk_3(block, block_info=None):
+    if block_info[0]["chunk-location"][0] == 3:
+        os._exit(1)
+    return block
+
+
+@pytest.mark.slow
+def test_losing_the_actor_worker_raises_not_hangs():
+    X, y, _ = _data(n=4_000, seed=22)
+    with (
+        LocalCluster(
+            n_workers=2, threads_per_worker=1, processes=True, dashboard_address=":0"
+        ) as lc,
+        Client(lc, direct_to_workers=True, set_as_default=False) as c,
+        c.as_current(),
+    ):
+        victim = sorted(_workers(c))[0]
+        Xd = da.from_array(X, chunks=(500, 5)).map_blocks(_die_on_chunk_3, dtype=X.dtype)
+        model = RenewableHuberRegressor(
+            worker=victim, loader="engine-worker", lookahead=2, progress=False
+        )
+        start = time.perf_counter()
+        with pytest.raises(ActorLostError, match="lost"):
+            model.fit(Xd, da.from_array(y, 500))
+        assert time.perf_counter() - start < 60
+        assert not hasattr(model, "n_features_in_")

@@ -1,0 +1,167 @@
+"""Pieces of the distributed fit that need no cluster: ordering, graph split, loading."""
+
+from __future__ import annotations
+
+import threading
+
+import dask.array as da
+import numpy as np
+import pandas as pd
+import pytest
+
+from rh_dask import HuberConfig, NumpyEngine, RenewableHuberRegressor
+from rh_dask.distributed.chunks import ChunkGraph, align_stream
+from rh_dask.distributed.consumer import OrderedConsumer
+from rh_dask.distributed.items import BadChunk, EmptyChunk, LoadedChunk
+from rh_dask.distributed.loading import assemble_chunk
+from rh_dask.exceptions import ValidationError
+
+
+class _RecordingEngine(NumpyEngine):
+    """A NumPy engine that remembers the first row of every batch it fits."""
+
+    def __init__(self, config):
+        super().__init__(config)
+        self.seen = []
+        self.threads = set()
+
+    def partial_fit(self, X, y, sample_weight=None):
+        self.seen.append(float(X[0, 0]))
+        self.threads.add(threading.get_ident())
+        return super().partial_fit(X, y, sample_weight)
+
+
+def _chunks(n_chunks=6, rows=50, d=3, seed=0):
+    rng = np.random.default_rng(seed)
+    out = []
+    for i in range(n_chunks):
+        X = rng.normal(size=(rows, d))
+        X[0, 0] = i  # tags the chunk
+        out.append(LoadedChunk(i, X, X.sum(axis=1) + rng.normal(size=rows), None))
+    return out
+
+
+def _wait(consumer, target):
+    done = threading.Event()
+    consumer.add_waiter(target, done.set)
+    assert done.wait(30)
+
+
+def test_consumer_takes_chunks_in_index_order_whatever_the_arrival_order():
+    consumer = OrderedConsumer(lambda: _RecordingEngine(HuberConfig()))
+    try:
+        consumer.begin("s", None)
+        items = _chunks()
+        for item in reversed(items):  # the last chunk arrives first
+            assert consumer.deliver("s", item)
+        _wait(consumer, len(items))
+        engine = consumer.engine
+        assert engine.seen == [float(i) for i in range(len(items))]
+        assert len(engine.threads) == 1 and threading.get_ident() not in engine.threads
+        ref = NumpyEngine(HuberConfig())
+        for item in items:
+            ref.partial_fit(item.X, item.y)
+        assert consumer.end("s").equals(ref.export_state())
+    finally:
+        consumer.close()
+
+
+def test_consumer_skips_empty_stops_at_bad_and_ignores_stale():
+    consumer = OrderedConsumer(lambda: NumpyEngine(HuberConfig()))
+    try:
+        consumer.begin("s", None)
+        items = _chunks(4)
+        consumer.deliver("s", items[0])
+        consumer.deliver("s", EmptyChunk(1))
+        consumer.deliver("s", BadChunk(2, "broken", ValueError("x")))
+        consumer.deliver("s", items[3])
+        _wait(consumer, 4)  # fires at the failure
+        snap = consumer.snapshot()
+        assert snap.consumed == 2 and snap.n_empty == 1
+        assert snap.failure.index == 2
+        assert [r.chunk for r in snap.records] == [0]
+        assert not consumer.deliver("other-stream", items[3])
+        state = consumer.end("s")
+        assert state.batch_count == 1
+    finally:
+        consumer.close()
+
+
+def test_consumer_reports_an_engine_refusal_as_the_chunk_failure():
+    consumer = OrderedConsumer(lambda: NumpyEngine(HuberConfig()))
+    try:
+        consumer.begin("s", None)
+        good = _chunks(1)[0]
+        wrong = LoadedChunk(1, np.ones((5, 4)), np.ones(5), None)  # wrong width
+        consumer.deliver("s", good)
+        consumer.deliver("s", wrong)
+        _wait(consumer, 2)
+        failure = consumer.snapshot().failure
+        assert failure.index == 1 and "features" in failure.reason
+    finally:
+        consumer.close()
+
+
+def test_engine_that_cannot_start_raises_from_the_constructor():
+    def broken():
+        raise RuntimeError("no device")
+
+    with pytest.raises(RuntimeError, match="no device"):
+        OrderedConsumer(broken)
+
+
+def test_assemble_chunk_outcomes():
+    from rh_dask.distributed.items import ChunkSpec
+
+    spec = ChunkSpec(index=4, dtype="float32", n_features=2, feature_names=None)
+    ok = assemble_chunk(np.ones((3, 2)), np.ones(3), None, spec)
+    assert isinstance(ok, LoadedChunk) and ok.X.dtype == np.float32 and ok.rows == 3
+    assert isinstance(assemble_chunk(np.ones((0, 2)), np.ones(0), None, spec), EmptyChunk)
+    bad = assemble_chunk(np.ones((0, 2)), np.ones(2), None, spec)
+    assert isinstance(bad, BadChunk) and bad.index == 4
+    wide = assemble_chunk(np.ones((3, 3)), np.ones(3), None, spec)
+    assert isinstance(wide, BadChunk) and "3 features" in wide.reason
+    named = ChunkSpec(index=0, dtype="float64", n_features=2, feature_names=("a", "b"))
+    frame = pd.DataFrame({"b": [1.0], "a": [2.0]})
+    assert isinstance(assemble_chunk(frame, np.ones(1), None, named), BadChunk)
+
+
+def test_shared_reduction_is_computed_once_and_raw_chunks_are_not_held():
+    calls = []
+    lock = threading.Lock()
+
+    def counted(block, block_info=None):
+        with lock:
+            calls.append(block_info[0]["chunk-location"][0])
+        return block
+
+    X = np.random.default_rng(1).normal(size=(600, 3))
+    raw = da.from_array(X, chunks=(100, 3)).map_blocks(counted, dtype=X.dtype)
+    Xs = raw - raw.mean(axis=0)
+    stream = align_stream(Xs, da.from_array(X[:, 0], chunks=100), None)
+    graph = ChunkGraph(stream, assemble_chunk, lambda i: stream.spec(i, "float64", False))
+    # Chunk 0 computes the mean (every raw chunk) and holds it for all others;
+    # the raw chunks feeding the mean are recomputed, not held for the whole fit.
+    held = graph.shared_owned(0)
+    assert any("mean" in str(k) for k in held)
+    assert not any("counted" in str(k) for k in held)
+    model = RenewableHuberRegressor(progress=False).fit(Xs, da.from_array(X[:, 0], chunks=100))
+    assert model.n_samples_seen_ == 600
+    # Six reads for the mean, then one per chunk (chunk 0 shares its read).
+    assert sorted(calls) == sorted(list(range(6)) + list(range(1, 6)))
+
+
+def test_align_stream_refusals():
+    X = da.ones((10, 2), chunks=5)
+    with pytest.raises(ValidationError, match="2-D"):
+        align_stream(da.ones(10, chunks=5), X[:, 0], None)
+    with pytest.raises(ValidationError, match="1-D"):
+        align_stream(X, X, None)
+    with pytest.raises(ValidationError, match="None"):
+        align_stream(X, None, None)
+    with pytest.raises(ValidationError, match="DataFrame"):
+        align_stream(X, "y", None)
+    with pytest.raises(ValidationError, match="shape"):
+        align_stream(X, np.ones(9), None)
+    aligned = align_stream(X, np.arange(10.0), None)
+    assert aligned.n_chunks == 2
