@@ -102,6 +102,13 @@ def load_checkpoint(path: str | os.PathLike[str]) -> Checkpoint:
     path = Path(path)
     if not path.is_file():
         raise CheckpointError(f"no checkpoint file at {path}")
+    if not zipfile.is_zipfile(path):
+        # Checked first: np.load would otherwise treat a plain .npy file as an
+        # array, and any other file as a pickle it refuses to load.
+        raise CheckpointError(
+            f"{path} is not an rh-dask checkpoint: not a readable .npz archive "
+            "(truncated, corrupted or another format)"
+        )
     try:
         with np.load(path, allow_pickle=False) as npz:
             files = set(npz.files)

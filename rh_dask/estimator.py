@@ -236,6 +236,20 @@ class RenewableHuberRegressor(RegressorMixin, BaseEstimator):
         -------
         self
         """
+        if hasattr(self, "n_features_in_") and not any(
+            _is_dask_collection(a) for a in (X, y, sample_weight)
+        ):
+            # Validate X as the first batch of a new stream *before* forgetting the
+            # current one: a fit that fails validation leaves the model as it was.
+            config = self._make_config()
+            validate_batch(
+                X,
+                y,
+                sample_weight,
+                dtype=config.dtype,
+                accept_device=resolve_engine_name(self.engine, self.device) == "gpu",
+                owner=type(self).__name__,
+            )
         self.reset()
         return self.partial_fit(X, y, sample_weight=sample_weight)
 
@@ -288,6 +302,17 @@ class RenewableHuberRegressor(RegressorMixin, BaseEstimator):
             raise ValidationError(
                 "the estimator's parameters changed since the stream started; "
                 "call reset() or fit() to start a new stream with them"
+            )
+        if (
+            hasattr(self, "n_features_in_")
+            and self.engine != "auto"
+            and resolve_engine_name(self.engine, self.device) != self.engine_
+        ):
+            # An explicitly requested engine is never silently replaced.
+            raise ValidationError(
+                f"engine={self.engine!r} was requested, but the stream runs on the "
+                f"{self.engine_!r} engine; move it with save() and load(path, engine=...), "
+                "or call reset() or fit() to start a new stream"
             )
 
     def _engine_for(self, config: HuberConfig, name: str) -> Engine:

@@ -130,9 +130,9 @@ def _as_host_array(value: Any, name: str, dtype: np.dtype, *, two_d: bool) -> np
         raise ValidationError(f"{name}: {exc}") from exc
     if not two_d and arr.ndim != 1:
         if arr.ndim == 2 and arr.shape[1] == 1:
+            hint = " (only single-output regression is supported)" if name == "y" else ""
             raise ValidationError(
-                f"{name} must be 1-D, got shape {arr.shape}; pass {name}.ravel() "
-                "(only single-output regression is supported)"
+                f"{name} must be 1-D, got shape {arr.shape}; pass {name}.ravel(){hint}"
             )
         raise ValidationError(f"{name} must be 1-D, got shape {arr.shape}")
     return arr
@@ -150,7 +150,9 @@ def validate_weights(sample_weight: Any, n: int, dtype: np.dtype) -> np.ndarray 
     if np.any(w < 0):
         raise ValidationError("sample_weight must be non-negative")
     if not np.sum(w, dtype=np.float64) > 0:
-        raise ValidationError("sample_weight must have a positive sum")
+        raise ValidationError(
+            "sample_weight must have a positive sum, but all sample weights are zero"
+        )
     return w
 
 
@@ -234,7 +236,10 @@ def validate_batch(
     )
     n = X_arr.shape[0]
     if y is None:
-        raise ValidationError("y must not be None: a regressor needs targets")
+        raise ValidationError(
+            f"{owner} requires y to be passed, but the target y is None (a regressor "
+            "needs targets)"
+        )
     y_arr = _as_host_array(y, "y", dtype, two_d=False)
     if y_arr.shape[0] != n:
         raise ValidationError(
