@@ -1,0 +1,360 @@
+"""Portable checkpoints (issue item 6): exact continuation, and refusal of bad files."""
+
+from __future__ import annotations
+
+import io
+import json
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from rh_dask import (
+    CheckpointError,
+    EngineUnavailableError,
+    HuberConfig,
+    NotFittedError,
+    NumpyEngine,
+    RenewableHuberRegressor,
+)
+from rh_dask.checkpoint import Checkpoint, load_checkpoint, save_checkpoint
+
+SIZES = [90, 60, 110, 70, 50]
+SPLIT = 3  # batches consumed before the checkpoint
+
+
+@pytest.fixture
+def stream(make_stream):
+    return make_stream(sum(SIZES), 5, seed=21, weights="uniform", outlier_fraction=0.05)
+
+
+@pytest.fixture
+def saved(stream, tmp_path):
+    """A checkpoint of a float64 model after SPLIT batches, and the model."""
+    model = RenewableHuberRegressor()
+    for batch in stream.batches(SIZES)[:SPLIT]:
+        model.partial_fit(*batch)
+    return model.save(tmp_path / "model.npz"), model
+
+
+def _rewrite(path: Path, out: Path, edit) -> Path:
+    """Copy an .npz archive through ``edit(record, arrays)``, as a valid zip file."""
+    with np.load(path, allow_pickle=False) as npz:
+        arrays = {name: npz[name] for name in npz.files}
+    record = json.loads(str(arrays["metadata"][()]))
+    edit(record, arrays)
+    arrays["metadata"] = np.asarray(json.dumps(record))
+    buffer = io.BytesIO()
+    np.savez(buffer, **arrays)
+    out.write_bytes(buffer.getvalue())
+    return out
+
+
+# -- exact continuation -------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", ["float64", "float32"])
+@pytest.mark.parametrize("penalty", ["none", "l1"])
+def test_save_load_continue_is_bit_identical(dtype, penalty, stream, tmp_path):
+    params = {"dtype": dtype, "penalty": penalty}
+    uninterrupted = RenewableHuberRegressor(**params)
+    interrupted = RenewableHuberRegressor(**params)
+    batches = stream.batches(SIZES)
+    for batch in batches[:SPLIT]:
+        uninterrupted.partial_fit(*batch)
+        interrupted.partial_fit(*batch)
+    path = interrupted.save(tmp_path / "stream")
+    del interrupted
+    resumed = RenewableHuberRegressor.load(path)
+    assert resumed.state_.equals(uninterrupted.state_)
+    for batch in batches[SPLIT:]:
+        uninterrupted.partial_fit(*batch)
+        resumed.partial_fit(*batch)
+        assert resumed.state_.equals(uninterrupted.state_)
+        assert resumed.diagnostics_ == uninterrupted.diagnostics_
+    assert resumed.state_.coefficients.dtype == np.dtype(dtype)
+
+
+def test_engine_level_checkpoint_continues_bit_identically(stream, tmp_path):
+    config = HuberConfig(penalty="l1", dtype="float32", fit_intercept=False)
+    uninterrupted, first = NumpyEngine(config), NumpyEngine(config)
+    batches = [
+        (X.astype(np.float32), y.astype(np.float32), w.astype(np.float32))
+        for X, y, w in stream.batches(SIZES)
+    ]
+    for batch in batches[:SPLIT]:
+        uninterrupted.partial_fit(*batch)
+        first.partial_fit(*batch)
+    path = save_checkpoint(
+        tmp_path / "engine.npz", Checkpoint(config, first.export_state(), None, first.name)
+    )
+    ckpt = load_checkpoint(path)
+    assert ckpt.config == config and ckpt.engine == "numpy" and ckpt.feature_names is None
+    second = NumpyEngine(ckpt.config)
+    second.import_state(ckpt.state)
+    for batch in batches[SPLIT:]:
+        assert second.partial_fit(*batch) == uninterrupted.partial_fit(*batch)
+    assert second.export_state().equals(uninterrupted.export_state())
+
+
+def test_checkpoint_restores_parameters_names_and_predictions(stream, tmp_path):
+    frame = pd.DataFrame(stream.X, columns=[f"x{j}" for j in range(5)])
+    model = RenewableHuberRegressor(tau=2.0, bandwidth_scale=1.5, tol=1e-8, ridge=0.0)
+    model.partial_fit(frame.iloc[:150], stream.y[:150], stream.sample_weight[:150])
+    loaded = RenewableHuberRegressor.load(model.save(tmp_path / "named.npz"))
+    # The checkpoint records the engine that ran the stream ("auto" resolved).
+    assert loaded.get_params() == {**model.get_params(), "engine": "numpy"}
+    assert list(loaded.feature_names_in_) == list(frame.columns)
+    assert loaded.n_features_in_ == 5
+    assert loaded.n_samples_seen_ == 150
+    assert loaded.engine_ == "numpy"
+    np.testing.assert_array_equal(
+        loaded.predict(frame.iloc[150:]), model.predict(frame.iloc[150:])
+    )
+    with pytest.raises(ValueError, match="Feature names unseen"):
+        loaded.predict(frame.iloc[150:].rename(columns={"x0": "z"}))
+
+
+def test_save_appends_the_npz_suffix(saved, tmp_path):
+    _, model = saved
+    assert Path(model.save(tmp_path / "plain")).name == "plain.npz"
+    assert Path(model.save(tmp_path / "run.ckpt")).name == "run.ckpt.npz"
+    assert Path(model.save(tmp_path / "kept.npz")).name == "kept.npz"
+
+
+def test_saving_an_unfitted_model_raises(tmp_path):
+    with pytest.raises(NotFittedError):
+        RenewableHuberRegressor().save(tmp_path / "nothing.npz")
+
+
+# -- checkpoints written by the GPU engine --------------------------------------------
+
+
+@pytest.fixture
+def gpu_saved(stream, tmp_path):
+    """A checkpoint that claims the GPU engine wrote it (its state is the NumPy one)."""
+    config = HuberConfig(penalty="l1")
+    engine = NumpyEngine(config)
+    for batch in stream.batches(SIZES)[:SPLIT]:
+        engine.partial_fit(*batch)
+    path = save_checkpoint(
+        tmp_path / "gpu.npz", Checkpoint(config, engine.export_state(), None, "gpu")
+    )
+    return path, engine
+
+
+def test_gpu_checkpoint_continues_on_the_numpy_engine(gpu_saved, stream):
+    path, engine = gpu_saved
+    model = RenewableHuberRegressor.load(path, engine="numpy")
+    assert model.engine == model.engine_ == "numpy"
+    for batch in stream.batches(SIZES)[SPLIT:]:
+        model.partial_fit(*batch)
+        engine.partial_fit(*batch)
+    assert model.state_.equals(engine.export_state())
+
+
+def _gpu_engine_usable() -> bool:
+    try:
+        import cupy
+
+        return cupy.cuda.runtime.getDeviceCount() > 0
+    except Exception:
+        return False
+
+
+@pytest.mark.skipif(_gpu_engine_usable(), reason="a CUDA GPU is usable here")
+def test_gpu_checkpoint_predicts_on_host_but_does_not_continue_without_gpu(
+    gpu_saved, stream, snapshot, assert_unchanged
+):
+    path, engine = gpu_saved
+    model = RenewableHuberRegressor.load(path)
+    assert model.engine == model.engine_ == "gpu"
+    X = stream.X[:20]
+    np.testing.assert_array_equal(model.predict(X), engine.predict(X))
+    before = snapshot(model)
+    with pytest.raises(EngineUnavailableError):
+        model.partial_fit(*stream.batches(SIZES)[SPLIT])
+    assert_unchanged(before, snapshot(model))
+
+
+# -- refusing bad files ------------------------------------------------------------------
+
+
+def test_missing_file(tmp_path):
+    with pytest.raises(CheckpointError, match="no checkpoint file"):
+        load_checkpoint(tmp_path / "absent.npz")
+    with pytest.raises(CheckpointError, match="no checkpoint file"):
+        RenewableHuberRegressor.load(tmp_path)  # a directory is not a checkpoint
+
+
+@pytest.mark.parametrize("keep", [0.5, 0.9, 10, 0], ids=["half", "most", "ten_bytes", "empty"])
+def test_truncated_file(saved, tmp_path, keep):
+    path, _ = saved
+    raw = path.read_bytes()
+    cut = tmp_path / "cut.npz"
+    cut.write_bytes(raw[: int(keep * len(raw)) if isinstance(keep, float) else keep])
+    with pytest.raises(CheckpointError, match=r"cut\.npz"):
+        load_checkpoint(cut)
+
+
+def test_flipped_byte_in_an_array_is_detected(saved, tmp_path):
+    path, model = saved
+    raw = bytearray(path.read_bytes())
+    offset = bytes(raw).find(model.state_.information.tobytes())
+    assert offset > 0
+    raw[offset + 17] ^= 0x10
+    bad = tmp_path / "flipped.npz"
+    bad.write_bytes(bytes(raw))
+    with pytest.raises(CheckpointError, match=r"flipped\.npz"):
+        load_checkpoint(bad)
+
+
+@pytest.mark.parametrize(
+    "edit",
+    [
+        lambda record, arrays: arrays.__setitem__("coefficients", arrays["coefficients"] * 1.5),
+        lambda record, arrays: arrays.__setitem__("information", arrays["information"][::-1]),
+        lambda record, arrays: record["counters"].__setitem__("n_samples_seen", 1),
+        lambda record, arrays: record["counters"].__setitem__("weight_sum", 1e6),
+        lambda record, arrays: record["config"].__setitem__("tau", 3.0),
+        lambda record, arrays: record.__setitem__("engine", "gpu"),
+        lambda record, arrays: record.__setitem__("digest", "0" * 64),
+        lambda record, arrays: record.pop("digest"),
+    ],
+    ids=[
+        "coefficients",
+        "information",
+        "n_samples_seen",
+        "weight_sum",
+        "config",
+        "engine",
+        "digest",
+        "no_digest",
+    ],
+)
+def test_altered_content_fails_the_integrity_check(saved, tmp_path, edit):
+    # The archive itself is valid (fresh zip CRCs): only the digest can tell.
+    path, _ = saved
+    bad = _rewrite(path, tmp_path / "altered.npz", edit)
+    with pytest.raises(CheckpointError, match="failed its integrity check"):
+        load_checkpoint(bad)
+
+
+def test_wrong_format_version(saved, tmp_path):
+    path, _ = saved
+    bad = _rewrite(path, tmp_path / "v2.npz", lambda r, a: r.__setitem__("format_version", 2))
+    with pytest.raises(CheckpointError, match="format version 2"):
+        load_checkpoint(bad)
+
+
+def test_wrong_format_name(saved, tmp_path):
+    path, _ = saved
+    bad = _rewrite(path, tmp_path / "other.npz", lambda r, a: r.__setitem__("format", "other"))
+    with pytest.raises(CheckpointError, match="not an rh-dask checkpoint"):
+        load_checkpoint(bad)
+
+
+def test_foreign_npz(tmp_path):
+    foreign = tmp_path / "foreign.npz"
+    np.savez(foreign, weights=np.ones(3), bias=np.zeros(1))
+    with pytest.raises(CheckpointError, match="not an rh-dask checkpoint"):
+        load_checkpoint(foreign)
+
+
+def test_npz_with_the_right_names_but_no_json(tmp_path):
+    fake = tmp_path / "fake.npz"
+    np.savez(
+        fake,
+        metadata=np.asarray("{not json"),
+        coefficients=np.zeros(3),
+        information=np.zeros((3, 3)),
+        feature_names=np.asarray([], dtype=str),
+    )
+    with pytest.raises(CheckpointError, match="not valid JSON"):
+        load_checkpoint(fake)
+
+
+def test_plain_npy_file_is_refused_with_a_checkpoint_error(tmp_path):
+    # np.load returns a bare array for .npy content, whatever the file is called.
+    fake = tmp_path / "array.npz"
+    with fake.open("wb") as fh:
+        np.save(fh, np.arange(4.0))
+    with pytest.raises(CheckpointError, match="not an rh-dask checkpoint"):
+        load_checkpoint(fake)
+
+
+def test_text_file_is_refused_without_suggesting_pickle(tmp_path):
+    fake = tmp_path / "notes.npz"
+    fake.write_text("these are not the coefficients you are looking for\n")
+    with pytest.raises(CheckpointError, match="not an rh-dask checkpoint") as caught:
+        load_checkpoint(fake)
+    assert "pickle" not in str(caught.value)
+
+
+class _Bomb:
+    """Unpickling this object records that a pickle was executed."""
+
+    triggered = False
+
+    def __reduce__(self):
+        return (_Bomb._trigger, ())
+
+    @staticmethod
+    def _trigger():
+        _Bomb.triggered = True
+        return "boom"
+
+
+def test_pickled_arrays_are_never_unpickled(saved, tmp_path):
+    path, _ = saved
+    bad = _rewrite(
+        path,
+        tmp_path / "pickled.npz",
+        lambda r, a: a.__setitem__("feature_names", np.array([_Bomb()], dtype=object)),
+    )
+    _Bomb.triggered = False
+    with pytest.raises(CheckpointError, match="allow_pickle=False"):
+        load_checkpoint(bad)
+    assert not _Bomb.triggered
+
+
+def _digested(tmp_path, config, state, names=None, name="crafted.npz"):
+    """A checkpoint written by save_checkpoint (so its digest is valid)."""
+    return save_checkpoint(tmp_path / name, Checkpoint(config, state, names, "numpy"))
+
+
+def test_digested_but_inconsistent_checkpoints_are_refused(saved, tmp_path):
+    _, model = saved
+    state = model.state_
+    config = HuberConfig()
+    cases = {
+        "dtype": (config, state.astype("float32"), None),
+        "intercept": (HuberConfig(fit_intercept=False), state, None),
+        "names": (config, state, np.asarray(["a", "b"], dtype=object)),
+    }
+    bad_shape = state.copy()
+    bad_shape.n_features_in = 4
+    cases["shape"] = (config, bad_shape, None)
+    bad_values = state.copy()
+    bad_values.coefficients = bad_values.coefficients.copy()
+    bad_values.coefficients[0] = np.nan
+    cases["non_finite"] = (config, bad_values, None)
+    for name, (cfg, st, names) in cases.items():
+        path = _digested(tmp_path, cfg, st, names, name=f"{name}.npz")
+        with pytest.raises(CheckpointError, match="inconsistent"):
+            load_checkpoint(path)
+
+
+def test_load_reads_with_allow_pickle_false(saved, monkeypatch):
+    path, _ = saved
+    calls = []
+    original = np.load
+
+    def spy(*args, **kwargs):
+        calls.append(kwargs.get("allow_pickle"))
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(np, "load", spy)
+    load_checkpoint(path)
+    assert calls == [False]

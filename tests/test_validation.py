@@ -1,0 +1,339 @@
+"""Input validation (issue item 5): every bad input raises ValidationError and changes nothing.
+
+Each failing call is made on a model that is part-way through a stream, and
+the model's observable state (coefficients, information, counters,
+diagnostics, feature metadata) is compared bit for bit before and after.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import numpy as np
+import pandas as pd
+import pytest
+import scipy.sparse
+
+from rh_dask import (
+    EngineUnavailableError,
+    RenewableHuberRegressor,
+    ValidationError,
+)
+from rh_dask.validation import validate_batch
+
+N_FEATURES = 4
+
+
+@pytest.fixture
+def stream(make_stream):
+    return make_stream(240, N_FEATURES, seed=11, weights="uniform")
+
+
+@pytest.fixture
+def midstream(stream):
+    """A model that has consumed two batches of a NumPy stream."""
+    model = RenewableHuberRegressor()
+    for X, y, w in stream.batches([120, 80, 40])[:2]:
+        model.partial_fit(X, y, w)
+    return model
+
+
+def _with(array, index, value):
+    out = np.array(array, dtype=float, copy=True)
+    out[index] = value
+    return out
+
+
+# Each case maps the next good batch (X, y, w) to a bad one, and gives a regex
+# the error message must match: the message has to name the problem.
+BAD_BATCHES = {
+    "nan_in_X": (lambda X, y, w: (_with(X, (3, 1), np.nan), y, w), r"X.*NaN"),
+    "inf_in_X": (lambda X, y, w: (_with(X, (0, 0), np.inf), y, w), r"X.*infinity"),
+    "neg_inf_in_X": (lambda X, y, w: (_with(X, (5, 2), -np.inf), y, w), r"X.*infinity"),
+    "nan_in_y": (lambda X, y, w: (X, _with(y, 7, np.nan), w), r"y.*NaN"),
+    "inf_in_y": (lambda X, y, w: (X, _with(y, 0, np.inf), w), r"y.*infinity"),
+    "nan_in_weights": (
+        lambda X, y, w: (X, y, _with(w, 2, np.nan)),
+        r"sample_weight.*NaN",
+    ),
+    "inf_in_weights": (
+        lambda X, y, w: (X, y, _with(w, 2, np.inf)),
+        r"sample_weight.*infinity",
+    ),
+    "wrong_width": (
+        lambda X, y, w: (X[:, :-1], y, w),
+        rf"X has {N_FEATURES - 1} features, but RenewableHuberRegressor is expecting "
+        rf"{N_FEATURES} features",
+    ),
+    "one_dimensional_X": (lambda X, y, w: (X[:, 0], y, w), r"Expected 2D array, got 1D"),
+    "three_dimensional_X": (lambda X, y, w: (X[:, :, None], y, w), r"X.*dim 3"),
+    "column_vector_y": (lambda X, y, w: (X, y[:, None], w), r"y must be 1-D"),
+    "two_column_y": (lambda X, y, w: (X, np.c_[y, y], w), r"y must be 1-D"),
+    "y_is_None": (lambda X, y, w: (X, None, w), r"requires y to be passed"),
+    "length_mismatch": (
+        lambda X, y, w: (X, y[:-1], w[:-1]),
+        r"inconsistent numbers of rows",
+    ),
+    "zero_rows": (lambda X, y, w: (X[:0], y[:0], w[:0]), r"0 sample"),
+    "strings_in_X": (
+        lambda X, y, w: (X.astype(str).astype(object) + "x", y, w),
+        r"X.*could not convert",
+    ),
+    "strings_in_y": (lambda X, y, w: (X, np.array(["a"] * len(y)), w), r"y.*could not convert"),
+    "dict_in_X": (
+        lambda X, y, w: (_object_with(X, (0, 0), {"a": 1}), y, w),
+        r"X.*argument must be .*number",
+    ),
+    "complex_X": (lambda X, y, w: (X + 1j, y, w), r"X.*Complex data not supported"),
+    "complex_y": (lambda X, y, w: (X, y + 1j, w), r"y.*Complex data not supported"),
+    "sparse_X": (
+        lambda X, y, w: (scipy.sparse.csr_matrix(X), y, w),
+        r"Sparse data was passed for X",
+    ),
+    "negative_weight": (lambda X, y, w: (X, y, _with(w, 4, -0.5)), r"non-negative"),
+    "all_zero_weights": (lambda X, y, w: (X, y, np.zeros_like(w)), r"sample_weight.*zero"),
+    "negative_scalar_weight": (lambda X, y, w: (X, y, -1.0), r"non-negative"),
+    "short_weights": (
+        lambda X, y, w: (X, y, w[:-3]),
+        r"sample_weight has shape \(37,\), expected \(40,\)",  # the third batch has 40 rows
+    ),
+    "two_dimensional_weights": (lambda X, y, w: (X, y, w[:, None]), r"sample_weight must be 1-D"),
+    "string_weights": (
+        lambda X, y, w: (X, y, np.array(["1"] * (len(w) - 1) + ["heavy"])),
+        r"sample_weight.*could not convert",
+    ),
+}
+
+
+def _object_with(array, index, value):
+    out = np.array(array, dtype=object)
+    out[index] = value
+    return out
+
+
+@pytest.mark.parametrize("case", sorted(BAD_BATCHES))
+def test_bad_batch_midstream_raises_and_leaves_state_untouched(
+    case, stream, midstream, snapshot, assert_unchanged
+):
+    make_bad, message = BAD_BATCHES[case]
+    X, y, w = stream.batches([120, 80, 40])[2]
+    bad = make_bad(X, y, w)
+    before = snapshot(midstream)
+    with pytest.raises(ValidationError, match=message):
+        midstream.partial_fit(*bad)
+    assert_unchanged(before, snapshot(midstream))
+    # The stream is still usable, and continues exactly where it was.
+    reference = RenewableHuberRegressor()
+    for batch in stream.batches([120, 80, 40]):
+        reference.partial_fit(*batch)
+    midstream.partial_fit(X, y, w)
+    assert midstream.state_.equals(reference.state_)
+
+
+@pytest.mark.parametrize(
+    "case", ["nan_in_X", "one_dimensional_X", "zero_rows", "all_zero_weights", "y_is_None"]
+)
+def test_bad_first_batch_leaves_model_unfitted(case, stream):
+    make_bad, message = BAD_BATCHES[case]
+    model = RenewableHuberRegressor()
+    with pytest.raises(ValidationError, match=message):
+        model.partial_fit(*make_bad(*stream.batches([120, 120])[0]))
+    assert not hasattr(model, "n_features_in_")
+    assert not hasattr(model, "diagnostics_")
+
+
+@pytest.mark.parametrize("case", ["nan_in_X", "negative_weight", "y_is_None"])
+def test_failed_fit_keeps_the_previous_model(case, stream, midstream, snapshot, assert_unchanged):
+    # fit() resets the stream, but only once the new data passed validation:
+    # the contract says a batch that fails validation leaves the state as it was.
+    make_bad, message = BAD_BATCHES[case]
+    before = snapshot(midstream)
+    with pytest.raises(ValidationError, match=message):
+        midstream.fit(*make_bad(*stream.batches([120, 120])[1]))
+    assert_unchanged(before, snapshot(midstream))
+
+
+def test_two_dimensional_weights_message_is_about_weights(stream, midstream):
+    X, y, w = stream.batches([120, 80, 40])[2]
+    with pytest.raises(ValidationError, match=r"sample_weight\.ravel\(\)") as caught:
+        midstream.partial_fit(X, y, w[:, None])
+    assert "single-output" not in str(caught.value)  # that hint is for y only
+
+
+def test_validation_error_is_a_value_error():
+    assert issubclass(ValidationError, ValueError)
+
+
+# -- pandas feature names ---------------------------------------------------------
+
+
+@pytest.fixture
+def frame_stream(stream):
+    columns = [f"f{j}" for j in range(N_FEATURES)]
+    frame = pd.DataFrame(stream.X, columns=columns)
+    model = RenewableHuberRegressor().partial_fit(frame.iloc[:120], stream.y[:120])
+    return model, frame
+
+
+@pytest.mark.parametrize(
+    ("rename", "message"),
+    [
+        ({"f1": "g1"}, r"Feature names unseen at fit time:\n- g1"),
+        ({"f1": "f2", "f2": "f1"}, r"same order"),
+    ],
+    ids=["renamed", "reordered"],
+)
+def test_mismatched_feature_names_midstream(
+    frame_stream, stream, rename, message, snapshot, assert_unchanged
+):
+    model, frame = frame_stream
+    before = snapshot(model)
+    bad = frame.iloc[120:200].rename(columns=rename)
+    with pytest.raises(ValidationError, match=message):
+        model.partial_fit(bad, stream.y[120:200])
+    assert_unchanged(before, snapshot(model))
+    assert list(model.feature_names_in_) == list(frame.columns)
+
+
+def test_dropped_dataframe_column_midstream(frame_stream, stream, snapshot, assert_unchanged):
+    model, frame = frame_stream
+    before = snapshot(model)
+    with pytest.raises(ValidationError, match=r"seen at fit time, yet now missing:\n- f3"):
+        model.partial_fit(frame.iloc[120:200, :3], stream.y[120:200])
+    assert_unchanged(before, snapshot(model))
+
+
+def test_mixed_type_column_names_are_refused(stream):
+    frame = pd.DataFrame(stream.X, columns=["a", "b", 3, "d"])
+    with pytest.raises(ValidationError, match="all input features have string names"):
+        RenewableHuberRegressor().fit(frame, stream.y)
+
+
+# -- parameters --------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"tau": 2.0},
+        {"penalty": "l1"},
+        {"lambda_scale": 0.5},
+        {"bandwidth_scale": 2.0},
+        {"fit_intercept": False},
+        {"max_iter": 5},
+        {"tol": 1e-3},
+        {"ridge": 0.0},
+        {"dtype": "float32"},
+    ],
+    ids=lambda c: next(iter(c)),
+)
+def test_parameters_changed_midstream_are_refused(
+    change, stream, midstream, snapshot, assert_unchanged
+):
+    before = snapshot(midstream)
+    midstream.set_params(**change)
+    with pytest.raises(ValidationError, match="parameters changed since the stream started"):
+        midstream.partial_fit(*stream.batches([120, 80, 40])[2])
+    assert_unchanged(before, snapshot(midstream))
+
+
+def test_engine_changed_midstream_is_refused_not_ignored(
+    stream, midstream, snapshot, assert_unchanged
+):
+    # The stream runs on the NumPy engine; asking for the GPU engine part-way
+    # must not silently keep going on the CPU.
+    before = snapshot(midstream)
+    midstream.set_params(engine="gpu")
+    with pytest.raises(ValidationError, match="engine"):
+        midstream.partial_fit(*stream.batches([120, 80, 40])[2])
+    assert_unchanged(before, snapshot(midstream))
+    midstream.set_params(engine="numpy")  # naming the engine in use is fine
+    midstream.partial_fit(*stream.batches([120, 80, 40])[2])
+    assert midstream.state_.batch_count == 3
+
+
+BAD_PARAMETERS = [
+    ("tau", 0.0),
+    ("tau", -1.0),
+    ("tau", np.nan),
+    ("tau", np.inf),
+    ("tau", "1.0"),
+    ("penalty", "l2"),
+    ("penalty", None),
+    ("lambda_scale", -0.1),
+    ("bandwidth_scale", 0.0),
+    ("fit_intercept", "yes"),
+    ("max_iter", 0),
+    ("max_iter", 2.5),
+    ("max_iter", True),
+    ("tol", 0.0),
+    ("tol", -1e-6),
+    ("ridge", -1e-8),
+    ("ridge", np.nan),
+    ("dtype", "float16"),
+    ("dtype", "int64"),
+    ("engine", "cuda"),
+]
+
+
+@pytest.mark.parametrize(("name", "value"), BAD_PARAMETERS)
+def test_bad_constructor_parameter(name, value, stream):
+    model = RenewableHuberRegressor(**{name: value})
+    with pytest.raises(ValidationError, match=name):
+        model.fit(stream.X, stream.y)
+    assert not hasattr(model, "n_features_in_")
+
+
+def _gpu_engine_usable() -> bool:
+    try:
+        import cupy
+
+        return cupy.cuda.runtime.getDeviceCount() > 0
+    except Exception:
+        return False
+
+
+@pytest.mark.skipif(_gpu_engine_usable(), reason="a CUDA GPU is usable here")
+@pytest.mark.parametrize(
+    "params", [{"engine": "gpu"}, {"engine": "auto", "device": "cuda:0"}], ids=["gpu", "cuda"]
+)
+def test_gpu_engine_without_gpu_raises_never_falls_back(params, stream):
+    model = RenewableHuberRegressor(**params)
+    with pytest.raises(EngineUnavailableError, match=r"(?i)gpu|cuda"):
+        model.fit(stream.X, stream.y)
+    assert not hasattr(model, "engine_")
+    assert not hasattr(model, "n_features_in_")
+
+
+def test_numpy_engine_refuses_a_cuda_device(stream):
+    with pytest.raises(EngineUnavailableError, match="CPU only"):
+        RenewableHuberRegressor(engine="numpy", device="cuda:0").fit(stream.X, stream.y)
+
+
+# -- the validator itself -----------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", ["float64", "float32"])
+def test_validate_batch_casts_to_the_stream_dtype(dtype, stream):
+    X = np.asfortranarray(stream.X[:50]).astype(np.float32 if dtype == "float64" else np.float64)
+    batch = validate_batch(X, list(stream.y[:50]), 2, dtype=dtype)
+    assert batch.X.dtype == batch.y.dtype == batch.sample_weight.dtype == np.dtype(dtype)
+    assert batch.X.flags.c_contiguous
+    np.testing.assert_array_equal(batch.sample_weight, np.full(50, 2.0))
+    assert batch.feature_names is None
+
+
+def test_validate_batch_reports_dataframe_names(stream):
+    frame = pd.DataFrame(stream.X[:10], columns=list("abcd"))
+    batch = validate_batch(frame, pd.Series(stream.y[:10]), dtype="float64")
+    assert list(batch.feature_names) == list("abcd")
+    np.testing.assert_array_equal(batch.X, stream.X[:10])
+
+
+def test_missing_names_after_a_named_stream_warn_but_fit(frame_stream, stream):
+    model, _ = frame_stream
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model.partial_fit(stream.X[120:200], stream.y[120:200])
+    assert any("does not have valid feature names" in str(c.message) for c in caught)
+    assert model.state_.batch_count == 2
