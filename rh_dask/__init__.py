@@ -18,6 +18,7 @@ from .estimator import RenewableHuberRegressor
 from .exceptions import (
     CheckpointError,
     EngineUnavailableError,
+    InputTypeError,
     NotFittedError,
     RhDaskError,
     StreamError,
@@ -32,6 +33,7 @@ __all__ = [
     "EngineUnavailableError",
     "HuberConfig",
     "HuberState",
+    "InputTypeError",
     "NotFittedError",
     "NumpyEngine",
     "RenewableHuberRegressor",

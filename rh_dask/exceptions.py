@@ -11,6 +11,7 @@ from sklearn.exceptions import NotFittedError
 __all__ = [
     "CheckpointError",
     "EngineUnavailableError",
+    "InputTypeError",
     "NotFittedError",
     "RhDaskError",
     "StreamError",
@@ -26,6 +27,14 @@ class ValidationError(RhDaskError, ValueError):
     """A batch, a weight vector or a parameter failed validation.
 
     The model is left exactly as it was before the call that raised.
+    """
+
+
+class InputTypeError(ValidationError, TypeError):
+    """Input of a type that cannot be converted to numbers (e.g. objects, sparse).
+
+    Both a :class:`ValidationError` and a :class:`TypeError`, so that callers
+    catching either (scikit-learn's convention is ``TypeError``) see it.
     """
 
 

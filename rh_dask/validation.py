@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 from sklearn.utils import check_array
 
-from .exceptions import ValidationError
+from .exceptions import InputTypeError, ValidationError
 
 # DLPack device types that live on a CUDA device (kDLCUDA, kDLCUDAHost, kDLCUDAManaged).
 _DLPACK_CUDA_TYPES = {2, 3, 13}
@@ -126,7 +126,9 @@ def _as_host_array(value: Any, name: str, dtype: np.dtype, *, two_d: bool) -> np
             )
     except ValidationError:
         raise
-    except (ValueError, TypeError) as exc:
+    except TypeError as exc:
+        raise InputTypeError(f"{name}: {exc}") from exc
+    except ValueError as exc:
         raise ValidationError(f"{name}: {exc}") from exc
     if not two_d and arr.ndim != 1:
         if arr.ndim == 2 and arr.shape[1] == 1:

@@ -23,14 +23,9 @@ def _expected_failed_checks(estimator):
       refuses any 2-D y with a ValidationError that says to ravel it: a
       silently flattened (n, 1) target in a stream usually means a
       mis-assembled batch.
-    * check_dtype_object: scikit-learn expects a TypeError for an object array
-      holding a dict. rh-dask raises its ValidationError (a ValueError
-      subclass) for every bad input, non-numeric data included, with the same
-      message ("... argument must be a string or a real number ...").
     """
     return {
         "check_supervised_y_2d": "a 2-D y is refused by design (ValidationError), not ravelled",
-        "check_dtype_object": "non-numeric input raises ValidationError (a ValueError)",
     }
 
 
