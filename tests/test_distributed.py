@@ -2,9 +2,11 @@
 
 Every equality below is bit for bit: a distributed ``fit`` must give exactly
 what a plain loop of ``partial_fit`` over the same chunks gives in this
-process. The engine actor pins BLAS to this process's thread count (see
-``rh_dask.distributed.consumer.blas_limiter``), which is what makes that hold
-although the worker processes start with one BLAS thread.
+process. Streams run their engine with BLAS pinned to one thread
+(``rh_dask.distributed.consumer.STREAM_BLAS_THREADS``, because multithreaded
+BLAS changes the summation order with the thread count), so the reference
+loop runs under the same pin; the worker processes, the engine thread and
+this process then all compute the same bits.
 
 One cluster serves the module: two single-threaded worker processes, the
 second advertising ``resources={"GPU": 1}`` so that placement can be tested
@@ -22,9 +24,11 @@ import numpy as np
 import pandas as pd
 import pytest
 from distributed import Client, LocalCluster, Nanny, Scheduler, SpecCluster
+from threadpoolctl import threadpool_limits
 
 from rh_dask import RenewableHuberRegressor, StreamError, ValidationError
 from rh_dask.distributed import ActorLostError
+from rh_dask.distributed.consumer import STREAM_BLAS_THREADS
 from rh_dask.exceptions import EngineUnavailableError
 
 pytestmark = pytest.mark.timeout(180)
@@ -72,9 +76,10 @@ def _data(n=6_000, d=5, seed=0, weights=False):
 def _loop(blocks, **params) -> RenewableHuberRegressor:
     """The reference: a plain partial_fit loop over in-memory chunks."""
     model = RenewableHuberRegressor(**params)
-    for X, y, w in blocks:
-        if len(y):
-            model.partial_fit(X, y, sample_weight=w)
+    with threadpool_limits(limits=STREAM_BLAS_THREADS, user_api="blas"):
+        for X, y, w in blocks:
+            if len(y):
+                model.partial_fit(X, y, sample_weight=w)
     return model
 
 
@@ -159,6 +164,20 @@ def test_shared_reduction_in_the_graph(client, snapshot, assert_unchanged):
     model = RenewableHuberRegressor(progress=False).fit(Xs, da.from_array(y, chunks=500))
     ref = _loop(_row_blocks(Xs.compute(), y, None, [500] * 6))
     _same(model, ref, assert_unchanged, snapshot)
+
+
+def test_persisted_inputs_and_a_client_routed_through_the_scheduler(
+    cluster, snapshot, assert_unchanged
+):
+    # Chunks already in cluster memory, and actor calls proxied by the scheduler.
+    X, y, _ = _data(n=2_000, seed=23)
+    address = cluster.scheduler.address
+    with Client(address, direct_to_workers=False, set_as_default=False) as other:
+        with other.as_current():
+            Xd = other.persist(da.from_array(X, chunks=(500, 5)))
+            yd = other.persist(da.from_array(y, chunks=500))
+            model = RenewableHuberRegressor(progress=False).fit(Xd, yd)
+    _same(model, _loop(_row_blocks(X, y, None, [500] * 4)), assert_unchanged, snapshot)
 
 
 # -- DataFrames -----------------------------------------------------------------------

@@ -102,6 +102,65 @@ def test_consumer_reports_an_engine_refusal_as_the_chunk_failure():
         consumer.close()
 
 
+class _StreamingEngine(_RecordingEngine):
+    """Pulls the next batch before solving the current one, as the GPU engine does.
+
+    ``refuse_staging`` names a tagged batch whose *staging* (pulling it as the
+    upcoming batch) raises, before the current batch is solved.
+    """
+
+    refuse_staging: float | None = None
+
+    def partial_fit_stream(self, batches):
+        it = iter(batches)
+        current = next(it, None)
+        while current is not None:
+            upcoming = next(it, None)
+            if upcoming is not None and float(upcoming[0][0, 0]) == self.refuse_staging:
+                raise ValidationError("cannot stage this batch")
+            yield self.partial_fit(*current)
+            current = upcoming
+
+    def partial_fit(self, X, y, sample_weight=None):
+        if float(X[0, 0]) == self.refuse_staging:
+            raise ValidationError("cannot stage this batch")
+        return super().partial_fit(X, y, sample_weight)
+
+
+@pytest.mark.parametrize("refuse", [None, 3.0])
+def test_consumer_uses_partial_fit_stream_in_order(refuse):
+    def make():
+        engine = _StreamingEngine(HuberConfig())
+        engine.refuse_staging = refuse
+        return engine
+
+    consumer = OrderedConsumer(make)
+    try:
+        consumer.begin("s", None)
+        items = _chunks(6)
+        # Chunk 1 is empty; chunk i >= 2 carries the batch tagged i - 1.
+        shifted = [LoadedChunk(i + 1, it.X, it.y, None) for i, it in enumerate(items) if i]
+        mixed = [items[0], EmptyChunk(1), *shifted]
+        for item in reversed(mixed):
+            consumer.deliver("s", item)
+        _wait(consumer, len(mixed))
+        snap = consumer.snapshot()
+        fitted = [r.chunk for r in snap.records]
+        if refuse is None:
+            assert fitted == [0, 2, 3, 4, 5, 6] and snap.n_empty == 1
+            assert snap.failure is None
+        else:
+            # Batch tagged 3.0 is chunk 4: everything before it is fitted, then it fails.
+            assert fitted == [0, 2, 3] and snap.failure.index == 4
+        ref = NumpyEngine(HuberConfig())
+        for item in mixed[: len(fitted) + 1]:
+            if isinstance(item, LoadedChunk):
+                ref.partial_fit(item.X, item.y)
+        assert consumer.end("s").equals(ref.export_state())
+    finally:
+        consumer.close()
+
+
 def test_engine_that_cannot_start_raises_from_the_constructor():
     def broken():
         raise RuntimeError("no device")

@@ -38,8 +38,8 @@ class EngineActor:
         Passed to :func:`rh_dask.engines.make_engine` (``None``: the worker's
         default device; a dask-cuda worker sees its GPU as device 0).
     blas_threads : int or None
-        BLAS threads for engine calls; the coordinator passes its own process's
-        count so that the result equals a local loop bit for bit.
+        BLAS threads for engine calls (see
+        :data:`~rh_dask.distributed.consumer.STREAM_BLAS_THREADS`).
     """
 
     def __init__(

@@ -295,10 +295,14 @@ class ChunkGraph:
         return len(self.keys)
 
     def _deps(self, key: Key) -> Any:
+        """Dependencies inside the graph; keys of persisted data (already in the
+        cluster's memory, held by the user's futures) are left out: they are
+        referenced, never submitted."""
         node = self.graph[key]
-        if isinstance(node, GraphNode):
-            return node.dependencies
-        return get_dependencies(self.graph, key)
+        deps = (
+            node.dependencies if isinstance(node, GraphNode) else get_dependencies(self.graph, key)
+        )
+        return [d for d in deps if d in self.graph]
 
     def _split(self) -> None:
         """Decide, per chunk, which tasks to submit with it and which to reference.
@@ -377,6 +381,20 @@ class ChunkGraph:
     def subgraph(self, index: int) -> dict[Key, Any]:
         """Tasks to submit with chunk ``index`` (held keys of earlier chunks excluded)."""
         return {k: self.graph[k] for k in self._owned[index]}
+
+    def submission(self, index: int) -> dict[Key, Any]:
+        """What to submit for chunk ``index``: one fused task where possible.
+
+        A worker spends about a millisecond of event-loop time per task, on
+        the same GIL as the engine's thread, so a chunk goes as a single
+        task (its tasks run inside it) unless some of them must stay
+        addressable because later chunks reference them.
+        """
+        sub = self.subgraph(index)
+        if self._held_by[index] or len(sub) == 1:
+            return sub
+        key = self.keys[index]
+        return {key: GraphNode.fuse(*sub.values(), key=key)}
 
     def shared_owned(self, index: int) -> list[Key]:
         """Keys computed with chunk ``index`` that later chunks reference: hold them."""

@@ -15,7 +15,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from contextlib import nullcontext
 from dataclasses import dataclass
@@ -23,7 +23,7 @@ from typing import Any
 
 from ..engines import Engine
 from ..state import HuberState
-from .items import BadChunk, ChunkItem, EmptyChunk
+from .items import BadChunk, ChunkItem, EmptyChunk, LoadedChunk
 
 
 @dataclass(frozen=True)
@@ -63,13 +63,20 @@ class Progress:
     failure: BadChunk | None
 
 
-def blas_limiter(threads: int | None) -> Callable[[], Any]:
-    """A context factory pinning BLAS to ``threads`` threads (no-op for ``None``).
+#: BLAS threads of every engine call of a stream (actor and in-process walk alike).
+#:
+#: Multithreaded BLAS sums in an order that depends on its thread count
+#: (measured with OpenBLAS: Zᵀv and w·v over 200k rows differ in the last bits
+#: between 1 and 2 threads), so a stream is only reproducible bit for bit if
+#: the count is fixed. One thread is what Dask workers start with, and a
+#: larger count pinned in a worker that also loads chunks made OpenBLAS's
+#: spinning threads slow the NumPy engine down up to 15x on a 2-core machine.
+#: The GPU engine uses no host BLAS; the setting costs it nothing.
+STREAM_BLAS_THREADS = 1
 
-    The summation order of multithreaded BLAS depends on its thread count, so
-    a stream fitted with another count than the caller's process would differ
-    in the last bits from the caller's own loop of ``partial_fit``.
-    """
+
+def blas_limiter(threads: int | None) -> Callable[[], Any]:
+    """A context factory pinning BLAS to ``threads`` threads (no-op for ``None``)."""
     if threads is None:
         return nullcontext
     from threadpoolctl import ThreadpoolController
@@ -86,7 +93,8 @@ class OrderedConsumer:
     factory : callable
         Builds the engine; runs on the consumer's thread.
     blas_threads : int or None
-        BLAS thread count for engine calls (``None``: leave it as it is).
+        BLAS thread count for engine calls (``None``: leave it as it is), see
+        :data:`STREAM_BLAS_THREADS`.
 
     Raises
     ------
@@ -223,36 +231,57 @@ class OrderedConsumer:
             callback()
 
     # -- the engine thread ----------------------------------------------------------------
+    def _ready(self) -> bool:
+        """Whether the next chunk can be consumed now (call with the lock held)."""
+        return self._stream is not None and self._failure is None and self._next in self._inbox
+
     def _run(self) -> None:
+        streaming: bool | None = None  # decided once the engine exists
         while True:
             with self._cond:
-                while True:
-                    if self._commands:
-                        fn, future = self._commands.popleft()
-                        item = None
-                        break
-                    if self._closed:
-                        return
-                    if (
-                        self._stream is not None
-                        and self._failure is None
-                        and self._next in self._inbox
-                    ):
-                        item = self._inbox.pop(self._next)
-                        break
+                while not (self._commands or self._closed or self._ready()):
                     self._cond.wait()
-            if item is None:
+                if self._commands:
+                    fn, future = self._commands.popleft()
+                elif self._closed:
+                    return
+                else:
+                    fn = None
+            if fn is not None:
                 if future.set_running_or_notify_cancel():
                     try:
                         future.set_result(fn())
                     except BaseException as exc:
                         future.set_exception(exc)
                 continue
-            self._consume(item)
-            item = None  # drop the batch now: look-ahead memory stays bounded
+            if streaming is None:
+                streaming = callable(getattr(self.engine, "partial_fit_stream", None))
+            if streaming:
+                self._fit_run()
+            else:
+                with self._cond:
+                    item = self._inbox.pop(self._next)
+                self._consume(item)
+                item = None  # drop the batch now: look-ahead memory stays bounded
             self._notify()
 
+    def _record(self, item: LoadedChunk, diag: Any, seconds: float) -> None:
+        record = BatchRecord(
+            chunk=item.index,
+            rows=item.rows,
+            iterations=int(diag.iterations),
+            converged=bool(diag.converged),
+            objective=float(diag.objective),
+            lambda_value=float(diag.lambda_value),
+            bandwidth=float(diag.bandwidth),
+            seconds=seconds,
+        )
+        with self._cond:
+            self._records.append(record)
+            self._next += 1
+
     def _consume(self, item: ChunkItem) -> None:
+        """One chunk through ``Engine.partial_fit``."""
         if isinstance(item, EmptyChunk):
             with self._cond:
                 self._n_empty += 1
@@ -270,16 +299,67 @@ class OrderedConsumer:
             with self._cond:
                 self._failure = BadChunk(item.index, f"{type(exc).__name__}: {exc}", exc)
             return
-        record = BatchRecord(
-            chunk=item.index,
-            rows=item.rows,
-            iterations=int(diag.iterations),
-            converged=bool(diag.converged),
-            objective=float(diag.objective),
-            lambda_value=float(diag.lambda_value),
-            bandwidth=float(diag.bandwidth),
-            seconds=time.perf_counter() - start,
-        )
-        with self._cond:
-            self._records.append(record)
-            self._next += 1
+        self._record(item, diag, time.perf_counter() - start)
+
+    def _settle_empty(self, pending: deque[ChunkItem]) -> None:
+        while pending and isinstance(pending[0], EmptyChunk):
+            pending.popleft()
+            with self._cond:
+                self._n_empty += 1
+                self._next += 1
+
+    def _fit_run(self) -> None:
+        """The chunks already delivered, through the engine's ``partial_fit_stream``.
+
+        An engine offering ``partial_fit_stream`` (the GPU engine) copies batch
+        ``i + 1`` to its device while it solves batch ``i``. It pulls the next
+        batch before solving the current one, so the generator below only
+        hands out chunks that are already here and ends the run otherwise:
+        the engine never waits for a load with a solved-ready batch in hand.
+        """
+        pending: deque[ChunkItem] = deque()  # handed to the engine, not yet settled
+        stopped: list[BadChunk] = []
+        cursor = self._next
+
+        def batches() -> Iterator[tuple[Any, Any, Any]]:
+            nonlocal cursor
+            while True:
+                with self._cond:
+                    if self._commands or self._closed or self._stream is None:
+                        return
+                    item = self._inbox.pop(cursor, None)
+                if item is None:
+                    return
+                cursor += 1
+                if isinstance(item, BadChunk):
+                    stopped.append(item)
+                    return
+                pending.append(item)
+                if isinstance(item, LoadedChunk):
+                    yield item.X, item.y, item.sample_weight
+
+        start = time.perf_counter()
+        try:
+            with self._limit():
+                for diag in self.engine.partial_fit_stream(batches()):
+                    now = time.perf_counter()
+                    self._settle_empty(pending)
+                    self._record(pending.popleft(), diag, now - start)  # type: ignore[arg-type]
+                    start = now
+                    self._notify()
+        except Exception:
+            # The stream may have failed while staging the *next* batch: put the
+            # unsettled chunks back and retry the oldest alone (engines are
+            # atomic on failure), which names the chunk that really failed.
+            self._settle_empty(pending)
+            with self._cond:
+                for item in [*pending, *stopped]:
+                    self._inbox[item.index] = item
+                retry = self._inbox.pop(self._next, None)
+            if retry is not None:
+                self._consume(retry)
+            return
+        self._settle_empty(pending)
+        if stopped:
+            with self._cond:
+                self._failure = stopped[0]

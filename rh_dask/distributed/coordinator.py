@@ -216,7 +216,7 @@ class ClusterWalk:
         shared = graph.shared_owned(i)
         if mode == "engine-worker":
             futures = self.client.get(
-                graph.subgraph(i),
+                graph.submission(i),
                 [item_key, *shared],
                 workers=[address],
                 allow_other_workers=False,
@@ -234,7 +234,7 @@ class ClusterWalk:
             load_layer, deliver_layer = f"rh-load-{stream_id}-{i}", f"rh-deliver-{stream_id}-{i}"
             hlg = HighLevelGraph(
                 {
-                    load_layer: MaterializedLayer(graph.subgraph(i)),
+                    load_layer: MaterializedLayer(graph.submission(i)),
                     deliver_layer: MaterializedLayer(
                         hand_over,
                         annotations={"workers": [address], "allow_other_workers": False},

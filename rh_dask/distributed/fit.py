@@ -20,6 +20,7 @@ from ..exceptions import StreamError, ValidationError
 from ..state import BatchDiagnostics
 from ..validation import check_feature_names
 from .chunks import AlignedStream, ChunkGraph, align_stream
+from .consumer import STREAM_BLAS_THREADS, blas_limiter
 from .coordinator import LOADERS, ClusterWalk
 from .items import BadChunk, ChunkItem, EmptyChunk
 from .loading import assemble_chunk
@@ -69,14 +70,6 @@ def current_client() -> Any | None:
         return default_client()
     except ValueError:
         return None
-
-
-def local_blas_threads() -> int | None:
-    """BLAS threads of this process (the engine actor is pinned to the same count)."""
-    from threadpoolctl import threadpool_info
-
-    counts = [int(i["num_threads"]) for i in threadpool_info() if i.get("user_api") == "blas"]
-    return max(counts) if counts else None
 
 
 def _check_against_model(stream: AlignedStream, model: Any, fitted: bool) -> None:
@@ -159,6 +152,7 @@ def _fit_local(
     )
     counts = {"batches": 0, "empty": 0}
     names = _names(stream)
+    limit = blas_limiter(STREAM_BLAS_THREADS)
 
     def consume(item: ChunkItem) -> None:
         if isinstance(item, EmptyChunk):
@@ -172,7 +166,8 @@ def _fit_local(
         engine = model._engine_for(config, engine_name)
         start = time.perf_counter()
         try:
-            diagnostics = engine.partial_fit(item.X, item.y, item.sample_weight)
+            with limit():
+                diagnostics = engine.partial_fit(item.X, item.y, item.sample_weight)
         except ValidationError as exc:
             raise StreamError(
                 f"chunk {item.index} was refused: {type(exc).__name__}: {exc}", item.index
@@ -216,7 +211,7 @@ def _fit_cluster(
         lookahead=options.lookahead,
         loader=options.loader,
         worker=options.worker,
-        blas_threads=local_blas_threads(),
+        blas_threads=STREAM_BLAS_THREADS,
         progress=bar,
     )
     outcome = walk.run()
