@@ -298,6 +298,32 @@ def test_misaligned_target_is_refused(client):
         RenewableHuberRegressor(progress=False).fit(Xd, dd.from_pandas(pd.Series(y), 3))
 
 
+def test_interrupted_walk_keeps_the_consumed_chunks(client, monkeypatch):
+    import rh_dask.distributed.coordinator as coordinator
+
+    polls = []
+    original = coordinator.ClusterWalk._poll
+
+    def interrupted(self, *args):
+        snap = original(self, *args)
+        polls.append(snap.consumed)
+        if snap.consumed >= 2:
+            raise KeyboardInterrupt
+        return snap
+
+    monkeypatch.setattr(coordinator.ClusterWalk, "_poll", interrupted)
+    X, y, _ = _data(n=4_000, seed=24)
+    model = RenewableHuberRegressor(lookahead=2, progress=False)
+    with pytest.raises(KeyboardInterrupt):
+        model.fit(da.from_array(X, chunks=(250, 5)), da.from_array(y, 250))
+    # Whatever was consumed before the interrupt is in the model, with its history.
+    consumed = len(model.history_)
+    assert 2 <= consumed < 16
+    assert model.state_.batch_count == consumed
+    ref = _loop(_row_blocks(X, y, None, [250] * consumed))
+    np.testing.assert_array_equal(model.state_.coefficients, ref.state_.coefficients)
+
+
 # -- refits, continuation and parameters --------------------------------------------------
 def test_fit_twice_resets(client, snapshot, assert_unchanged):
     X, y, _ = _data(n=2_000, seed=14)

@@ -61,7 +61,7 @@ def test_consumer_takes_chunks_in_index_order_whatever_the_arrival_order():
         ref = NumpyEngine(HuberConfig())
         for item in items:
             ref.partial_fit(item.X, item.y)
-        assert consumer.end("s").equals(ref.export_state())
+        assert consumer.end("s")[0].equals(ref.export_state())
     finally:
         consumer.close()
 
@@ -81,8 +81,8 @@ def test_consumer_skips_empty_stops_at_bad_and_ignores_stale():
         assert snap.failure.index == 2
         assert [r.chunk for r in snap.records] == [0]
         assert not consumer.deliver("other-stream", items[3])
-        state = consumer.end("s")
-        assert state.batch_count == 1
+        state, final = consumer.end("s")
+        assert state.batch_count == 1 and final.consumed == 2
     finally:
         consumer.close()
 
@@ -156,7 +156,7 @@ def test_consumer_uses_partial_fit_stream_in_order(refuse):
         for item in mixed[: len(fitted) + 1]:
             if isinstance(item, LoadedChunk):
                 ref.partial_fit(item.X, item.y)
-        assert consumer.end("s").equals(ref.export_state())
+        assert consumer.end("s")[0].equals(ref.export_state())
     finally:
         consumer.close()
 

@@ -67,9 +67,9 @@ class EngineActor:
         """Start a stream from ``state`` (``None``: the empty state)."""
         self._consumer.begin(stream_id, state)
 
-    def end(self, stream_id: str) -> HuberState | None:
-        """Stop the stream; the engine's state after the last consumed chunk."""
-        return self._consumer.end(stream_id)
+    def end(self, stream_id: str, n_records: int = 0) -> tuple[HuberState | None, Progress]:
+        """Stop the stream; the state after the last consumed chunk and the final progress."""
+        return self._consumer.end(stream_id, n_records)
 
     def close(self) -> None:
         """Stop the engine thread."""

@@ -153,15 +153,24 @@ class OrderedConsumer:
             self._n_empty = 0
             self._failure = None
 
-    def end(self, stream_id: str) -> HuberState | None:
-        """Stop the stream, drop undelivered chunks, return the engine's state."""
+    def end(self, stream_id: str, n_records_seen: int = 0) -> tuple[HuberState | None, Progress]:
+        """Stop the stream and drop undelivered chunks.
+
+        Returns the engine's state and the final progress (records after the
+        first ``n_records_seen``), both taken on the engine thread after the
+        chunk in progress, so that they describe the same chunks.
+        """
         with self._cond:
             if self._stream == stream_id:
                 self._stream = None
             self._inbox.clear()
         self._wake_all()
-        # Runs after the chunk in progress, if any: commands queue behind it.
-        return self.call(lambda: self.engine.export_state() if self.engine.batch_count else None)
+
+        def final() -> tuple[HuberState | None, Progress]:
+            state = self.engine.export_state() if self.engine.batch_count else None
+            return state, self.snapshot(n_records_seen)
+
+        return self.call(final)
 
     def close(self) -> None:
         """Stop the thread (after the chunk in progress); idempotent."""

@@ -10,7 +10,7 @@ Per stream the coordinator (running in the client's process)
    ``loader="engine-worker"`` the whole chunk loads on the actor's worker (no
    transfer); with ``loader="cluster"`` it loads anywhere and only the
    finished batch travels, worker to worker, to the actor's worker;
-3. long-polls the actor for progress (one call per ``lookahead // 2``
+3. long-polls the actor for progress (one call per ``lookahead // 4``
    consumed chunks, not one per chunk) and releases consumed chunks' futures,
    so that look-ahead memory stays bounded by ``lookahead`` chunks;
 4. stops at the first chunk that fails (validation, a failing task, the
@@ -211,41 +211,45 @@ class ClusterWalk:
         return ChunkGraph(self.stream, assemble_chunk, spec, (), "rh-load")
 
     # -- submissions -----------------------------------------------------------------
-    def _submit(self, graph: ChunkGraph, i: int, mode: str, address: str, stream_id: str) -> None:
-        item_key = graph.keys[i]
-        shared = graph.shared_owned(i)
-        if mode == "engine-worker":
-            futures = self.client.get(
-                graph.submission(i),
-                [item_key, *shared],
-                workers=[address],
-                allow_other_workers=False,
-                priority=-i,
-                sync=False,
-            )
-        else:
-            # Load anywhere; only the pinned hand-over task runs on the actor's worker.
-            deliver_key = (f"rh-deliver-{stream_id}", i)
-            hand_over = {
-                deliver_key: Task(
-                    deliver_key, deliver_chunk, TaskRef(item_key), self._actor.key, stream_id
+    def _submit(
+        self, graph: ChunkGraph, chunks: range, mode: str, address: str, stream_id: str
+    ) -> None:
+        """Submit ``chunks`` in one graph: one layer per chunk, earlier chunks first.
+
+        One submission per refill rather than per chunk: each costs the client
+        and the scheduler a round of graph handling.
+        """
+        pinned = {"workers": [address], "allow_other_workers": False}
+        layers: dict[str, MaterializedLayer] = {}
+        deps: dict[str, set[str]] = {}
+        wanted: list[Any] = []
+        outputs: list[tuple[int, Any, list[Any]]] = []
+        for i in chunks:
+            item_key = graph.keys[i]
+            shared = graph.shared_owned(i)
+            # Earlier chunks load first; the engine's order never depends on it.
+            load = {"priority": -i, **(pinned if mode == "engine-worker" else {})}
+            name = f"rh-load-{stream_id}-{i}"
+            layers[name] = MaterializedLayer(graph.submission(i), annotations=load)
+            deps[name] = set(deps)  # may reference shared keys of earlier chunks here
+            out = item_key
+            if mode == "cluster":
+                # Loaded anywhere; only the hand-over runs on the actor's worker.
+                out = (f"rh-deliver-{stream_id}", i)
+                task = Task(out, deliver_chunk, TaskRef(item_key), self._actor.key, stream_id)
+                hand_over = f"rh-deliver-{stream_id}-{i}"
+                layers[hand_over] = MaterializedLayer(
+                    {out: task}, annotations={"priority": -i, **pinned}
                 )
-            }
-            load_layer, deliver_layer = f"rh-load-{stream_id}-{i}", f"rh-deliver-{stream_id}-{i}"
-            hlg = HighLevelGraph(
-                {
-                    load_layer: MaterializedLayer(graph.submission(i)),
-                    deliver_layer: MaterializedLayer(
-                        hand_over,
-                        annotations={"workers": [address], "allow_other_workers": False},
-                    ),
-                },
-                {load_layer: set(), deliver_layer: {load_layer}},
-            )
-            futures = self.client.get(hlg, [deliver_key, *shared], priority=-i, sync=False)
-        self._inflight[i] = futures[0]
-        for key, fut in zip(shared, futures[1:], strict=True):
-            self._shared[key] = fut
+                deps[hand_over] = {name}
+            wanted += [out, *shared]
+            outputs.append((i, out, shared))
+        futures = self.client.get(HighLevelGraph(layers, deps), wanted, sync=False)
+        by_key = dict(zip(wanted, futures, strict=True))
+        for i, out, shared in outputs:
+            self._inflight[i] = by_key[out]
+            for key in shared:
+                self._shared[key] = by_key[key]
 
     def _release_through(self, graph: ChunkGraph, start: int, stop: int) -> None:
         for i in range(start, stop):
@@ -330,12 +334,13 @@ class ClusterWalk:
     def _walk(self, graph: ChunkGraph, mode: str, address: str, stream_id: str) -> None:
         n = graph.n_chunks
         consumed = submitted = 0
-        step = max(1, self.lookahead // 2)
+        step = max(1, self.lookahead // 4)
         records = self.outcome.records
         while consumed < n:
-            while submitted < n and submitted - consumed < self.lookahead:
-                self._submit(graph, submitted, mode, address, stream_id)
-                submitted += 1
+            refill = min(n, consumed + self.lookahead)
+            if refill > submitted:
+                self._submit(graph, range(submitted, refill), mode, address, stream_id)
+                submitted = refill
             broken = self._first_broken(consumed)
             if broken == consumed:
                 raise self._load_failure(broken)
@@ -358,9 +363,13 @@ class ClusterWalk:
             return
         if not lost:
             try:
-                self.outcome.state = self._actor.end(stream_id).result(
-                    timeout=REPLY_GRACE_SECONDS * 12
-                )
+                # Chunks consumed after the last poll (an interrupted walk) are in
+                # the state, so their records must come back with it.
+                self.outcome.state, final = self._actor.end(
+                    stream_id, len(self.outcome.records)
+                ).result(timeout=REPLY_GRACE_SECONDS * 12)
+                self.outcome.records.extend(final.records)
+                self.outcome.n_empty = final.n_empty
                 self._actor.close().result(timeout=REPLY_GRACE_SECONDS * 12)
             except Exception as exc:  # the worker died while we were finishing
                 self.outcome.state = None
