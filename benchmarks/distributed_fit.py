@@ -216,24 +216,39 @@ def compare(a: np.ndarray, b: np.ndarray) -> dict[str, Any]:
     }
 
 
+#: How the last cluster was started (reported in the JSON).
+CLUSTER_KIND: dict[str, str] = {}
+
+
 # -- the cluster ------------------------------------------------------------------------------
 def start_cluster(engine: str, threads: int, cpu_workers: int, cpu_threads: int):
     """The engine's worker (GPU=1 for the GPU engine) plus optional CPU-only workers."""
     from distributed import Client, LocalCluster, Nanny
 
+    cluster = None
     if engine == "gpu":
-        from dask_cuda import LocalCUDACluster
+        try:
+            from dask_cuda import LocalCUDACluster
 
-        cluster = LocalCUDACluster(
+            cluster = LocalCUDACluster(
+                n_workers=1,
+                threads_per_worker=threads,
+                resources={"GPU": 1},
+                dashboard_address=":0",
+            )
+            CLUSTER_KIND["kind"] = "LocalCUDACluster"
+        except Exception as exc:  # keep measuring: a plain worker can host the GPU too
+            CLUSTER_KIND["kind"] = f"LocalCluster (dask-cuda failed: {type(exc).__name__}: {exc})"
+            print(CLUSTER_KIND["kind"], file=sys.stderr, flush=True)
+    if cluster is None:
+        cluster = LocalCluster(
             n_workers=1,
             threads_per_worker=threads,
-            resources={"GPU": 1},
+            processes=True,
             dashboard_address=":0",
+            resources={"GPU": 1} if engine == "gpu" else None,
         )
-    else:
-        cluster = LocalCluster(
-            n_workers=1, threads_per_worker=threads, processes=True, dashboard_address=":0"
-        )
+        CLUSTER_KIND.setdefault("kind", "LocalCluster")
     client = Client(cluster, direct_to_workers=True)
     extra = []
     if cpu_workers:
@@ -480,10 +495,11 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def describe_cluster(client: Any) -> dict[str, Any]:
-    return {
+    workers = {
         addr: {"nthreads": w["nthreads"], "resources": w.get("resources", {})}
         for addr, w in client.scheduler_info(n_workers=-1)["workers"].items()
     }
+    return {"kind": CLUSTER_KIND.get("kind"), "workers": workers}
 
 
 def loader_study(args: Any, directory: Path, size: int) -> dict[str, Any]:

@@ -156,12 +156,14 @@ def test_y_rechunked_to_x_rows(client, snapshot, assert_unchanged):
     _same(model, _loop(_row_blocks(X, y, None, [1000] * 3)), assert_unchanged, snapshot)
 
 
-def test_shared_reduction_in_the_graph(client, snapshot, assert_unchanged):
-    # Every chunk depends on a global mean: computed once, held, not refitted.
+@pytest.mark.parametrize("loader", ["engine-worker", "cluster"])
+def test_shared_reduction_in_the_graph(client, loader, snapshot, assert_unchanged):
+    # Every chunk depends on a global mean: computed once, held across refills.
     X, y, _ = _data(n=3_000, seed=5)
     raw = da.from_array(X, chunks=(500, 5))
     Xs = raw - raw.mean(axis=0)
-    model = RenewableHuberRegressor(progress=False).fit(Xs, da.from_array(y, chunks=500))
+    model = RenewableHuberRegressor(loader=loader, lookahead=2, progress=False)
+    model.fit(Xs, da.from_array(y, chunks=500))
     ref = _loop(_row_blocks(Xs.compute(), y, None, [500] * 6))
     _same(model, ref, assert_unchanged, snapshot)
 
