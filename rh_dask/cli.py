@@ -1,0 +1,620 @@
+"""The ``rh-dask`` command line (also ``python -m rh_dask``).
+
+Subcommands: ``demo``, ``fit``, ``predict``, ``info``. ``rh-dask <command>
+--help`` lists each one's options; ``docs/api.md`` documents them.
+
+Exit codes (also in ``rh-dask --help``):
+
+=====  ==================================================================
+0      success
+1      unexpected failure (``--traceback`` shows where)
+2      usage error: unknown option, missing or malformed argument
+3      bad input: missing file, unknown column, unreadable data, a chunk
+       refused by validation, an invalid or corrupted model file
+4      cluster failure: scheduler unreachable, no workers, engine's worker lost
+5      engine unavailable: the requested engine cannot start
+6      an optional dependency is missing (the message names the extra)
+130    interrupted
+=====  ==================================================================
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+import traceback
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from ._version import __version__
+from .exceptions import (
+    CheckpointError,
+    EngineUnavailableError,
+    StreamError,
+    ValidationError,
+)
+
+__all__ = [
+    "EXIT_CLUSTER",
+    "EXIT_ENGINE",
+    "EXIT_FAILURE",
+    "EXIT_INPUT",
+    "EXIT_INTERRUPTED",
+    "EXIT_MISSING_EXTRA",
+    "EXIT_OK",
+    "EXIT_USAGE",
+    "build_parser",
+    "main",
+]
+
+EXIT_OK = 0
+EXIT_FAILURE = 1
+EXIT_USAGE = 2
+EXIT_INPUT = 3
+EXIT_CLUSTER = 4
+EXIT_ENGINE = 5
+EXIT_MISSING_EXTRA = 6
+EXIT_INTERRUPTED = 130
+
+_EXIT_HELP = """\
+exit codes:
+  0  success
+  1  unexpected failure (--traceback shows where)
+  2  usage error
+  3  bad input: missing file, unknown column, unreadable data, a chunk refused
+     by validation, an invalid or corrupted model file
+  4  cluster failure: scheduler unreachable, no workers, engine's worker lost
+  5  engine unavailable: the requested engine cannot start
+  6  an optional dependency is missing (the message names the extra)
+"""
+
+
+# -- argument parsing ---------------------------------------------------------------------
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"expected a number > 0, got {value}")
+    return value
+
+
+def _add_cluster_options(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("cluster")
+    group.add_argument(
+        "--scheduler",
+        default="local",
+        metavar="ADDRESS|local|none",
+        help="scheduler address (tcp://host:8786) to connect to; 'local' starts a cluster "
+        "on this machine (a LocalCUDACluster with GPU=1 workers when dask-cuda and a GPU "
+        "are present, else CPU workers); 'none' runs in this process (default: local)",
+    )
+    group.add_argument(
+        "--scheduler-file", metavar="PATH", help="connect through a dask scheduler file instead"
+    )
+    group.add_argument(
+        "--connect-timeout",
+        type=_positive_float,
+        default=10.0,
+        metavar="SECONDS",
+        help="how long to wait for the scheduler and for its first worker (default: 10)",
+    )
+    group.add_argument(
+        "--workers", type=_positive_int, metavar="N", help="worker processes of a local cluster"
+    )
+    group.add_argument(
+        "--threads-per-worker", type=_positive_int, metavar="N", help="threads per local worker"
+    )
+    group.add_argument("--memory-limit", metavar="BYTES", help="memory limit per local worker")
+
+
+def _add_model_options(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("model")
+    group.add_argument("--engine", choices=["auto", "numpy", "gpu"], default="auto")
+    group.add_argument("--device", help="engine device, e.g. cuda:0 (default: the engine's)")
+    group.add_argument("--dtype", choices=["float64", "float32"], default="float64")
+    group.add_argument("--penalty", choices=["none", "l1"], default="none")
+    group.add_argument("--tau", type=float, default=1.345, help="Huber τ (default: 1.345)")
+    group.add_argument("--lambda-scale", type=float, default=1.0)
+    group.add_argument("--bandwidth-scale", type=float, default=1.0)
+    group.add_argument("--no-intercept", action="store_true", help="fit without an intercept")
+    group.add_argument("--max-iter", type=int, default=100)
+    group.add_argument("--tol", type=float, default=1e-6)
+    group.add_argument("--ridge", type=float, default=1e-8)
+    group.add_argument(
+        "--lookahead", type=_positive_int, default=8, help="chunks loading ahead (default: 8)"
+    )
+    group.add_argument(
+        "--loader",
+        choices=["auto", "engine-worker", "cluster"],
+        default="auto",
+        help="where chunks load (see docs/distributed.md)",
+    )
+    group.add_argument("--worker", metavar="ADDRESS", help="worker that hosts the engine actor")
+    group.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def _add_report_options(parser: argparse.ArgumentParser, default_points: str) -> None:
+    parser.add_argument(
+        "--trajectory-points",
+        type=_positive_int,
+        metavar="N",
+        help="coefficient snapshots along the stream for the report; the stream is fitted "
+        f"in N consecutive segments, which restarts the pipeline N-1 times ({default_points})",
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``rh-dask`` argument parser."""
+    parser = argparse.ArgumentParser(
+        prog="rh-dask",
+        description="Renewable Huber regression on data too large for one machine.",
+        epilog=_EXIT_HELP,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--version", action="version", version=f"rh-dask {__version__}")
+    parser.add_argument(
+        "--traceback", action="store_true", help="print the full traceback on errors"
+    )
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    demo = commands.add_parser(
+        "demo",
+        help="fit a generated outlier-contaminated stream end to end",
+        description="Write a heavy-tailed, outlier-contaminated stream to a temporary "
+        "Parquet dataset, fit it on a local cluster, and compare with least squares.",
+        epilog=_EXIT_HELP,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    demo.add_argument("--rows", type=_positive_int, default=1_048_576)
+    demo.add_argument("--chunk-rows", type=_positive_int, default=65_536)
+    demo.add_argument("--features", type=_positive_int, default=20)
+    demo.add_argument("--seed", type=int, default=0)
+    demo.add_argument(
+        "--output-dir",
+        type=Path,
+        default=Path("rh-dask-output/demo"),
+        help="where model.npz and report/ go (default: rh-dask-output/demo)",
+    )
+    demo.add_argument(
+        "--data-dir",
+        type=Path,
+        help="write the generated data here and keep it (default: "
+        "a temporary directory, removed afterwards)",
+    )
+    _add_report_options(demo, "default: one per chunk, at most 32")
+    _add_model_options(demo)
+    _add_cluster_options(demo)
+    demo.set_defaults(handler=_cmd_demo)
+
+    fit = commands.add_parser(
+        "fit",
+        help="fit a model on Parquet, CSV, Zarr or .npy data",
+        description="Fit a renewable Huber model on data on disk; its row chunks "
+        "(partitions) are the batches, in order.",
+        epilog=_EXIT_HELP,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    _add_input_options(fit, target_required=True)
+    fit.add_argument("--weight", metavar="COL", help="column of frequency weights")
+    fit.add_argument(
+        "--output", required=True, type=Path, metavar="MODEL.npz", help="where to save the model"
+    )
+    fit.add_argument("--report", type=Path, metavar="DIR", help="write report.json and plots")
+    _add_report_options(fit, "default with --report: 20, else 1")
+    _add_model_options(fit)
+    _add_cluster_options(fit)
+    fit.set_defaults(handler=_cmd_fit)
+
+    predict = commands.add_parser(
+        "predict",
+        help="predict from a saved model, out of core",
+        description="Predict from a saved model chunk by chunk; the output format "
+        "follows the suffix: .parquet (a dataset directory), .csv or .npy.",
+        epilog=_EXIT_HELP,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    predict.add_argument("--model", required=True, type=Path, metavar="MODEL.npz")
+    _add_input_options(predict, target_required=False)
+    predict.add_argument(
+        "--exclude",
+        nargs="+",
+        default=(),
+        metavar="COL",
+        help="columns left out of the default features (e.g. the target)",
+    )
+    predict.add_argument("--output", required=True, type=Path, metavar="PATH")
+    predict.add_argument("--column", default="prediction", help="output column name")
+    predict.add_argument("--overwrite", action="store_true", help="replace an existing output")
+    _add_cluster_options(predict)
+    predict.set_defaults(handler=_cmd_predict)
+
+    info = commands.add_parser(
+        "info",
+        help="show a saved model",
+        description="Show a checkpoint's configuration, counters and coefficients.",
+        epilog=_EXIT_HELP,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    info.add_argument("model", type=Path, metavar="MODEL.npz")
+    info.add_argument("--json", action="store_true", help="print JSON instead of text")
+    info.set_defaults(handler=_cmd_info)
+    return parser
+
+
+def _add_input_options(parser: argparse.ArgumentParser, *, target_required: bool) -> None:
+    group = parser.add_argument_group("input")
+    group.add_argument(
+        "--input", required=True, metavar="PATH_OR_GLOB", help="file, directory or quoted glob"
+    )
+    group.add_argument("--format", choices=["parquet", "csv", "zarr", "npy"])
+    if target_required:
+        group.add_argument(
+            "--target",
+            required=True,
+            metavar="COL",
+            help="target column (name; a position like -1 for a 2-D array; an array "
+            "name in a Zarr group)",
+        )
+    group.add_argument(
+        "--features",
+        nargs="+",
+        metavar="COL",
+        help="feature columns (names; positions or ranges like 0:20 for 2-D arrays); "
+        "default: every other column",
+    )
+    group.add_argument(
+        "--chunk-rows",
+        type=_positive_int,
+        metavar="N",
+        help="re-cut the stream into batches of N rows (default: the input's own chunks)",
+    )
+
+
+# -- shared steps -------------------------------------------------------------------------
+def _session(args: argparse.Namespace) -> Any:
+    from .connect import open_cluster
+
+    return open_cluster(
+        args.scheduler,
+        scheduler_file=args.scheduler_file,
+        timeout=args.connect_timeout,
+        n_workers=args.workers,
+        threads_per_worker=args.threads_per_worker,
+        memory_limit=args.memory_limit,
+    )
+
+
+def _estimator(args: argparse.Namespace, engine: str) -> Any:
+    from .estimator import RenewableHuberRegressor
+
+    return RenewableHuberRegressor(
+        tau=args.tau,
+        penalty=args.penalty,
+        lambda_scale=args.lambda_scale,
+        bandwidth_scale=args.bandwidth_scale,
+        fit_intercept=not args.no_intercept,
+        max_iter=args.max_iter,
+        tol=args.tol,
+        ridge=args.ridge,
+        engine=engine,
+        device=args.device,
+        dtype=args.dtype,
+        lookahead=args.lookahead,
+        loader=args.loader,
+        worker=args.worker,
+        progress=False if args.no_progress else None,  # None: a bar on a terminal
+    )
+
+
+def _check_output_dir(path: Path) -> None:
+    from .io import InputError
+
+    parent = path.expanduser().resolve().parent
+    if not parent.is_dir():
+        raise InputError(f"the directory of {str(path)!r} does not exist")
+
+
+def _fit_and_save(
+    args: argparse.Namespace,
+    table: Any,
+    session: Any,
+    output: Path,
+    points: int,
+) -> tuple[Any, Path]:
+    """Fit ``table`` on ``session`` and save the model; returns the outcome and its path."""
+    from .jobs import fit_table, resolve_engine
+
+    gpu_workers = session.client is not None and session.has_gpu_workers()
+    engine = resolve_engine(args.engine, gpu_workers, session.client is not None)
+    fallback = "numpy" if args.engine == "auto" and engine == "gpu" else None
+    model = _estimator(args, engine)
+    outcome = fit_table(model, table, points=points, fallback_engine=fallback)
+    saved = model.save(output)
+    return outcome, Path(saved)
+
+
+def _summary(outcome: Any) -> str:
+    model = outcome.model
+    rows = int(model.n_samples_seen_)
+    chunks = len(outcome.history)
+    empty = int(model.n_empty_chunks_)
+    rate = rows / outcome.seconds if outcome.seconds > 0 else float("nan")
+    where = ""
+    if outcome.placements:
+        where = f" on {outcome.placements[-1].get('worker')}"
+    skipped = f", {empty} empty skipped" if empty else ""
+    return (
+        f"fitted {rows:,} rows in {chunks} chunks{skipped} in {outcome.seconds:.2f} s: "
+        f"{rate:,.0f} rows/s (engine {outcome.engine}{where}, {model.dtype})"
+    )
+
+
+def _write_report(
+    args: argparse.Namespace,
+    directory: Path,
+    outcome: Any,
+    table: Any,
+    session: Any,
+    saved: Path,
+    timings: dict[str, float],
+    argv: Sequence[str],
+    **kwargs: Any,
+) -> list[Path]:
+    from .report import build_report, write_report
+
+    truth = kwargs.pop("truth", None)
+    report = build_report(
+        outcome,
+        data=table.description,
+        feature_names=table.feature_names,
+        session=session,
+        command=["rh-dask", *argv],
+        timings=timings,
+        model_path=str(saved),
+        **kwargs,
+    )
+    return write_report(directory, report, truth=truth)
+
+
+# -- commands -------------------------------------------------------------------------------
+def _cmd_fit(args: argparse.Namespace, argv: Sequence[str]) -> int:
+    from .extras import require
+    from .io import open_table
+
+    _check_output_dir(args.output)
+    if args.report is not None:
+        require("matplotlib", "report", "--report")
+        _check_output_dir(args.report)
+    points = args.trajectory_points or (20 if args.report is not None else 1)
+    start = time.perf_counter()
+    table = open_table(
+        args.input,
+        target=args.target,
+        features=args.features,
+        weight=args.weight,
+        chunk_rows=args.chunk_rows,
+        fmt=args.format,
+    )
+    opened = time.perf_counter()
+    with _session(args) as session:
+        connected = time.perf_counter()
+        outcome, saved = _fit_and_save(args, table, session, args.output, points)
+        print(_summary(outcome))
+        for note in outcome.notes:
+            print(f"note: {note}")
+        print(f"model: {saved}")
+        if args.report is not None:
+            timings = {
+                "open_seconds": opened - start,
+                "connect_seconds": connected - opened,
+            }
+            files = _write_report(args, args.report, outcome, table, session, saved, timings, argv)
+            print(f"report: {files[0].parent} ({', '.join(f.name for f in files)})")
+    return EXIT_OK
+
+
+def _cmd_predict(args: argparse.Namespace, argv: Sequence[str]) -> int:
+    from .estimator import RenewableHuberRegressor
+    from .io import InputError, open_table, output_format, write_predictions
+
+    output_format(args.output)  # refuse an unknown suffix before any work
+    _check_output_dir(args.output)
+    model = RenewableHuberRegressor.load(args.model)
+    options = {"exclude": args.exclude, "chunk_rows": args.chunk_rows, "fmt": args.format}
+    table = open_table(args.input, features=args.features, **options)
+    names = getattr(model, "feature_names_in_", None)
+    if args.features is None and names is not None and table.named:
+        # A table: take the model's feature columns by name, whatever else it holds.
+        table = open_table(args.input, features=[str(n) for n in names], **options)
+    width = int(table.X.shape[1])
+    if width != model.n_features_in_:
+        raise InputError(
+            f"{args.input!r} gives {width} feature columns, the model expects "
+            f"{model.n_features_in_}; choose them with --features or --exclude"
+        )
+    start = time.perf_counter()
+    # The session's client becomes dask's default scheduler for the writes.
+    with _session(args):
+        written = write_predictions(
+            model.predict(table.X), args.output, column=args.column, overwrite=args.overwrite
+        )
+    seconds = time.perf_counter() - start
+    rows = f"{written['rows']:,} predictions" if written["rows"] is not None else "predictions"
+    print(f"wrote {rows} to {written['path']} ({written['format']}) in {seconds:.2f} s")
+    return EXIT_OK
+
+
+def _cmd_info(args: argparse.Namespace, argv: Sequence[str]) -> int:
+    from .checkpoint import load_checkpoint
+
+    ckpt = load_checkpoint(args.model)
+    state = ckpt.state
+    d = state.n_features_in
+    names = (
+        [str(n) for n in ckpt.feature_names]
+        if ckpt.feature_names is not None
+        else [f"x{j}" for j in range(d)]
+    )
+    coefficients = dict(zip(names, (float(c) for c in state.coefficients[:d]), strict=True))
+    if state.fit_intercept:
+        coefficients["(intercept)"] = float(state.coefficients[-1])
+    record = {
+        "path": str(args.model),
+        "library_version": ckpt.library_version,
+        "engine": ckpt.engine,
+        "config": ckpt.config.to_dict(),
+        "counters": state.counters(),
+        "feature_names": None if ckpt.feature_names is None else names,
+        "coefficients": coefficients,
+    }
+    if args.json:
+        print(json.dumps(record, indent=2))
+        return EXIT_OK
+    config = " ".join(f"{k}={v}" for k, v in record["config"].items())
+    counters = state.counters()
+    lines = [
+        f"{args.model} (rh-dask checkpoint, written by rh-dask {ckpt.library_version})",
+        f"engine: {ckpt.engine}",
+        f"config: {config}",
+        f"stream: {counters['n_samples_seen']:,} rows in {counters['batch_count']:,} batches, "
+        f"weight sum {counters['weight_sum']:g}, last lambda {counters['previous_lambda']:g}",
+        f"features: {d}" + ("" if ckpt.feature_names is not None else " (unnamed: x0, x1, ...)"),
+        "coefficients:",
+    ]
+    width = max(len(n) for n in coefficients)
+    lines += [f"  {name:<{width}}  {value: .6g}" for name, value in coefficients.items()]
+    print("\n".join(lines))
+    return EXIT_OK
+
+
+def _cmd_demo(args: argparse.Namespace, argv: Sequence[str]) -> int:
+    import shutil
+
+    from .cluster_demo import compare, write_stream
+    from .datasets import StreamSpec
+    from .extras import require
+    from .io import open_table
+
+    require("pyarrow", "io", "the demo's Parquet data")
+    require("matplotlib", "report", "the demo's report")
+    out = args.output_dir
+    out.mkdir(parents=True, exist_ok=True)
+    spec = StreamSpec(n_features=args.features, seed=args.seed)
+    n_chunks = -(-args.rows // args.chunk_rows)
+    points = args.trajectory_points or min(n_chunks, 32)
+    scratch = None
+    if args.data_dir is None:
+        scratch = Path(tempfile.mkdtemp(prefix="rh-dask-demo-"))
+        data_path = scratch / "stream.parquet"
+    else:
+        data_path = args.data_dir
+    try:
+        with _session(args) as session:
+            where = f" at {session.address}" if session.address else " (this process)"
+            print(f"cluster: {session.kind}{where}")
+            written = write_stream(spec, args.rows, args.chunk_rows, data_path, args.dtype)
+            print(
+                f"data: {written['rows']:,} rows x {args.features} features in "
+                f"{written['chunks']} Parquet files at {data_path} ({written['seconds']:.1f} s)"
+            )
+            table = open_table(data_path, target="y")
+            outcome, saved = _fit_and_save(args, table, session, out / "model.npz", points)
+            huber = outcome.trajectory.coefficients[-1]
+            tick = time.perf_counter()
+            comparison = compare(spec, huber, table)
+            ols_seconds = time.perf_counter() - tick
+            print(_summary(outcome))
+            ratio = comparison.ols_error / comparison.huber_error
+            print(
+                f"coefficient error ‖β̂ − β‖₂: renewable Huber {comparison.huber_error:.4f}, "
+                f"least squares {comparison.ols_error:.4f} ({ratio:.1f}x larger)"
+            )
+            files = _write_report(
+                args,
+                out / "report",
+                outcome,
+                table,
+                session,
+                saved,
+                {"generate_seconds": written["seconds"], "least_squares_seconds": ols_seconds},
+                argv,
+                truth=comparison.truth,
+                extra={"demo": {"spec": vars(spec), **comparison.to_dict()}},
+            )
+        print(f"model: {saved}")
+        print(f"report: {files[0].parent} ({', '.join(f.name for f in files)})")
+    finally:
+        if scratch is not None:
+            shutil.rmtree(scratch, ignore_errors=True)
+    return EXIT_OK
+
+
+# -- errors and the entry point ---------------------------------------------------------------
+def _exit_code(exc: BaseException) -> int:
+    from .connect import ClusterError
+    from .extras import MissingExtraError
+    from .io import InputError
+
+    if isinstance(exc, MissingExtraError):
+        return EXIT_MISSING_EXTRA
+    if isinstance(exc, ClusterError) or _is_actor_lost(exc):
+        return EXIT_CLUSTER
+    if isinstance(exc, EngineUnavailableError):
+        return EXIT_ENGINE
+    if isinstance(exc, (InputError, ValidationError, CheckpointError, StreamError)):
+        return EXIT_INPUT
+    return EXIT_FAILURE
+
+
+def _is_actor_lost(exc: BaseException) -> bool:
+    try:
+        from .distributed import ActorLostError
+    except ImportError:  # a broken environment (the error being reported) must not crash here
+        return False
+    return isinstance(exc, ActorLostError)
+
+
+def _one_line(exc: BaseException) -> str:
+    text = " ".join(str(exc).split())
+    return text or type(exc).__name__
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command line; returns the exit code (see the module docstring)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = build_parser().parse_args(argv)
+    try:
+        return args.handler(args, argv)
+    except KeyboardInterrupt:
+        print("rh-dask: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    except BrokenPipeError:
+        # The reader of our output went away (`rh-dask info m.npz | head`): stop
+        # quietly, and keep the interpreter from complaining while it flushes.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return EXIT_FAILURE
+    except Exception as exc:
+        code = _exit_code(exc)
+        if args.traceback:
+            traceback.print_exc()
+        prefix = "error" if code != EXIT_FAILURE else f"unexpected {type(exc).__name__}"
+        hint = "" if code != EXIT_FAILURE or args.traceback else " (--traceback for details)"
+        print(f"rh-dask: {prefix}: {_one_line(exc)}{hint}", file=sys.stderr)
+        return code

@@ -1,0 +1,667 @@
+"""Data on disk as Dask collections: the readers and writers of the command line.
+
+Inputs, by format (detected from the path, or given explicitly):
+
+======== ======================================================= ===============================
+format   what the path names                                     read with
+======== ======================================================= ===============================
+parquet  a file, a directory of files, or a glob                 ``dask.dataframe.read_parquet``
+csv      a file or a glob                                        ``dask.dataframe.read_csv``
+zarr     a store holding one 2-D array, or a group of arrays     ``dask.array.from_zarr``
+npy      a 2-D ``.npy`` file, a glob of them, or a directory     memory-mapped, one task a chunk
+======== ======================================================= ===============================
+
+Tables (Parquet, CSV) select columns by name and keep the feature names; 2-D
+arrays select columns by position (``3``, ``-1``, ``0:20``); a Zarr group
+selects arrays by name (a 2-D array contributes all its columns). The row
+chunks of the result are the batches of the stream: the partitions of a
+table, the chunks of a Zarr array, 65,536-row slices of ``.npy`` files, or
+exactly ``chunk_rows`` rows when that is given.
+
+Nothing is read here beyond metadata: every collection is lazy.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import glob
+import os
+import shutil
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from .exceptions import RhDaskError
+from .extras import require
+
+__all__ = [
+    "DEFAULT_NPY_CHUNK_ROWS",
+    "INPUT_FORMATS",
+    "OUTPUT_FORMATS",
+    "InputError",
+    "NpyRows",
+    "Table",
+    "detect_format",
+    "open_table",
+    "stable_partitions",
+    "write_predictions",
+]
+
+INPUT_FORMATS = ("parquet", "csv", "zarr", "npy")
+OUTPUT_FORMATS = {".parquet": "parquet", ".pq": "parquet", ".csv": "csv", ".npy": "npy"}
+#: Rows per chunk of ``.npy`` input when ``chunk_rows`` is not given (a file has no chunks).
+DEFAULT_NPY_CHUNK_ROWS = 65_536
+
+_SUFFIXES = (
+    (".parquet", "parquet"),
+    (".pq", "parquet"),
+    (".csv", "csv"),
+    (".csv.gz", "csv"),
+    (".csv.bz2", "csv"),
+    (".zarr", "zarr"),
+    (".npy", "npy"),
+)
+_ZARR_MARKERS = ("zarr.json", ".zarray", ".zgroup")
+
+
+class InputError(RhDaskError, ValueError):
+    """The input cannot be read as asked: no such file, unknown column, unknown format."""
+
+
+@dataclass
+class Table:
+    """Features, target and weights of one input, as lazy Dask collections.
+
+    Attributes
+    ----------
+    X : dask.array.Array or dask.dataframe.DataFrame
+        Features; its row chunks (partitions) are the batches.
+    y : dask.array.Array, dask.dataframe.Series or None
+        Target, chunked like ``X`` (``None`` when no target was asked for).
+    sample_weight : like ``y``, or None
+    feature_names : list of str
+        Names for display: the columns of a table, ``x<j>`` for column ``j``
+        of a 2-D array, ``<array>`` or ``<array>[j]`` for a Zarr group.
+    named : bool
+        Whether ``X`` carries ``feature_names`` itself (a DataFrame), so that
+        a model fitted on it records them.
+    description : dict
+        JSON-ready facts for reports: format, paths, chunks, rows when known.
+    frame : dask.dataframe.DataFrame or None
+        For tables: features, target and weight in one DataFrame (see
+        :meth:`fit_inputs`).
+    """
+
+    X: Any
+    y: Any | None
+    sample_weight: Any | None
+    feature_names: list[str]
+    named: bool
+    description: dict[str, Any] = field(default_factory=dict)
+    frame: Any | None = None
+
+    @property
+    def n_chunks(self) -> int:
+        """Row chunks (partitions) of the stream."""
+        return chunk_count(self.X)
+
+    def fit_inputs(self) -> tuple[Any, Any, Any]:
+        """``(X, y, sample_weight)`` to hand to ``fit``.
+
+        A table gives one DataFrame holding the target (and weight) columns,
+        with ``y``/``sample_weight`` as their names, so that each chunk is
+        read once rather than once per collection. Arrays give the three
+        slices of one array (they share its read tasks).
+        """
+        if self.frame is not None and self.y is not None:
+            weight = None if self.sample_weight is None else self.sample_weight.name
+            return self.frame, self.y.name, weight
+        return self.X, self.y, self.sample_weight
+
+
+@contextlib.contextmanager
+def stable_partitions() -> Iterator[None]:
+    """Keep a table's partitions as they are on disk while graphs are built.
+
+    Dask's optimizer may merge neighbouring Parquet partitions when only a
+    few columns are read (the "tune" stage). Batch boundaries change the
+    estimate, and two collections tuned differently no longer line up chunk
+    by chunk, so the command line builds its graphs with that stage off:
+    a batch is a Parquet file (or row group), a CSV block, a chunk.
+    """
+    import dask
+
+    with dask.config.set({"optimization.tune.active": False}):
+        yield
+
+
+def _is_array(collection: Any) -> bool:
+    import dask.array as da
+
+    return isinstance(collection, da.Array)
+
+
+def chunk_count(collection: Any) -> int:
+    """Row chunks of a Dask array, or partitions of a Dask DataFrame/Series."""
+    if _is_array(collection):
+        return int(collection.numblocks[0])
+    return int(collection.npartitions)
+
+
+def take_chunks(collection: Any | None, start: int, stop: int) -> Any | None:
+    """Row chunks ``start:stop`` of a Dask collection (``None`` stays ``None``)."""
+    if collection is None:
+        return None
+    if _is_array(collection):
+        return collection.blocks[start:stop]
+    return collection.partitions[start:stop]
+
+
+# -- locating and recognising inputs ---------------------------------------------------------
+def _is_url(path: str) -> bool:
+    return "://" in path
+
+
+def detect_format(path: str) -> str:
+    """The input format of ``path`` from its suffix, or from what a directory holds.
+
+    Raises
+    ------
+    InputError
+        When neither the name nor the content says.
+    """
+    name = path.rstrip("/").lower()
+    for suffix, fmt in sorted(_SUFFIXES, key=lambda s: -len(s[0])):
+        if name.endswith(suffix):
+            return fmt
+    if not _is_url(path) and os.path.isdir(path):
+        entries = os.listdir(path)
+        if any(marker in entries for marker in _ZARR_MARKERS):
+            return "zarr"
+        for suffix, fmt in _SUFFIXES:
+            if any(e.lower().endswith(suffix) for e in entries):
+                return fmt
+    raise InputError(
+        f"cannot tell the format of {path!r} from its name; use --format "
+        f"({', '.join(INPUT_FORMATS)})"
+    )
+
+
+def _local_paths(path: str, fmt: str) -> list[str]:
+    """Files (or the store) that ``path`` names; glob patterns expanded and sorted."""
+    if _is_url(path):
+        return [path]
+    if glob.has_magic(path):
+        matches = sorted(glob.glob(path))
+        if not matches:
+            raise InputError(f"no file matches {path!r}")
+        return matches
+    if not os.path.exists(path):
+        raise InputError(f"no such file or directory: {path!r}")
+    if fmt == "npy" and os.path.isdir(path):
+        matches = sorted(glob.glob(os.path.join(path, "*.npy")))
+        if not matches:
+            raise InputError(f"no .npy files in directory {path!r}")
+        return matches
+    return [path]
+
+
+# -- column selection ---------------------------------------------------------------------
+def _parse_position(spec: str | int, width: int) -> list[int]:
+    """Column positions of ``spec`` (``3``, ``-1`` or ``a:b``), checked against ``width``."""
+    text = str(spec).strip()
+    try:
+        if ":" in text:
+            parts = [int(p) if p else None for p in text.split(":")]
+            if len(parts) > 3:
+                raise ValueError(text)
+            return list(range(width))[slice(*parts)]
+        index = int(text)
+    except ValueError:
+        raise InputError(
+            f"column {text!r} of a 2-D array must be a position (3, -1) or a range (0:20)"
+        ) from None
+    if not -width <= index < width:
+        raise InputError(f"column {index} is out of range for an array with {width} columns")
+    return [index % width]
+
+
+def _positions(specs: Sequence[str | int] | None, width: int) -> list[int] | None:
+    if specs is None:
+        return None
+    out: list[int] = []
+    for spec in specs:
+        out.extend(_parse_position(spec, width))
+    return out
+
+
+def _check_numeric(frame: Any, columns: Sequence[str], where: str) -> None:
+    import pandas as pd
+
+    for name in columns:
+        dtype = frame.dtypes[name]
+        if not (pd.api.types.is_numeric_dtype(dtype) or pd.api.types.is_bool_dtype(dtype)):
+            raise InputError(
+                f"column {name!r} of {where} has dtype {dtype}, not numbers; "
+                "choose the numeric columns with --features"
+            )
+
+
+# -- tables --------------------------------------------------------------------------------
+def _read_frame(paths: list[str], fmt: str, path: str) -> Any:
+    # dask.dataframe itself needs pyarrow: check first, to say so in one line.
+    require("pyarrow", "io", f"reading {'Parquet' if fmt == 'parquet' else 'CSV'}")
+    import dask.dataframe as dd
+
+    if fmt == "parquet":
+        try:
+            return dd.read_parquet(paths if len(paths) > 1 else paths[0])
+        except (OSError, ValueError) as exc:
+            raise InputError(f"cannot read {path!r} as Parquet: {exc}") from exc
+    compressed = any(p.lower().endswith((".gz", ".bz2")) for p in paths)
+    try:
+        # assume_missing: integer-looking columns become float64 in every block,
+        # so a block with a missing value cannot disagree with the inferred dtype.
+        return dd.read_csv(paths, assume_missing=True, blocksize=None if compressed else "64MB")
+    except (OSError, ValueError) as exc:
+        raise InputError(f"cannot read {path!r} as CSV: {exc}") from exc
+
+
+def _frame_table(
+    frame: Any,
+    path: str,
+    target: str | None,
+    features: Sequence[str] | None,
+    weight: str | None,
+    exclude: Sequence[str],
+    chunk_rows: int | None,
+) -> Table:
+    columns = [str(c) for c in frame.columns]
+    for role, name in (("target", target), ("weight", weight)):
+        if name is not None and name not in columns:
+            raise InputError(f"{role} column {name!r} is not in {path!r} (columns: {columns})")
+    if features is None:
+        skip = {target, weight, *exclude}
+        features = [c for c in columns if c not in skip]
+    else:
+        features = [str(f) for f in features]
+        missing = [f for f in features if f not in columns]
+        if missing:
+            raise InputError(f"feature columns {missing} are not in {path!r} (columns: {columns})")
+    if not features:
+        raise InputError(f"{path!r} has no feature columns left besides the target and weight")
+    roles = [c for c in (target, weight) if c is not None]
+    if set(roles) & set(features):
+        raise InputError(f"the target and weight columns cannot also be features: {roles}")
+    _check_numeric(frame, [*features, *roles], repr(path))
+    if chunk_rows is not None:
+        import dask.dataframe as dd
+
+        # Exact row counts per batch: go through an array (partition lengths are
+        # counted once) and come back to a frame so the feature names stay.
+        selected = [*features, *roles]
+        rows = frame[selected].to_dask_array(lengths=True).rechunk((chunk_rows, -1))
+        frame = dd.from_dask_array(rows, columns=selected)
+    selected = [*features, *roles]
+    return Table(
+        X=frame[features],
+        y=None if target is None else frame[target],
+        sample_weight=None if weight is None else frame[weight],
+        feature_names=list(features),
+        named=True,
+        frame=frame[selected],
+    )
+
+
+# -- arrays --------------------------------------------------------------------------------
+class NpyRows:
+    """A ``.npy`` file as a lazily sliced array (what :func:`dask.array.from_array` reads).
+
+    Only the path and the header travel with a task; each chunk memory-maps
+    the file on the worker and copies out its rows, so reading never needs
+    the whole file in memory and no data goes through the scheduler.
+    """
+
+    def __init__(self, path: str) -> None:
+        try:
+            mapped = np.load(path, mmap_mode="r", allow_pickle=False)
+        except (OSError, ValueError) as exc:
+            raise InputError(f"cannot read {path!r} as .npy: {exc}") from exc
+        self.path = str(path)
+        self.shape: tuple[int, ...] = tuple(mapped.shape)
+        self.dtype = mapped.dtype
+        self.ndim = mapped.ndim
+        stat = os.stat(path)
+        self._token = (self.path, stat.st_size, stat.st_mtime_ns)
+
+    def __getitem__(self, key: Any) -> np.ndarray:
+        return np.array(np.load(self.path, mmap_mode="r", allow_pickle=False)[key])
+
+    def __dask_tokenize__(self) -> tuple[Any, ...]:
+        return ("rh-dask-npy", *self._token)
+
+
+def _npy_array(paths: list[str], chunk_rows: int | None) -> Any:
+    import dask.array as da
+
+    pieces = []
+    width = None
+    for path in paths:
+        rows = NpyRows(path)
+        if rows.ndim != 2 or rows.dtype.kind not in "biuf":
+            raise InputError(
+                f"{path!r} holds a {rows.ndim}-D {rows.dtype} array; .npy input must be 2-D "
+                "numbers with the target as one of the columns"
+            )
+        if width is not None and rows.shape[1] != width:
+            raise InputError(f"{path!r} has {rows.shape[1]} columns, the files before {width}")
+        width = rows.shape[1]
+        step = chunk_rows or DEFAULT_NPY_CHUNK_ROWS
+        pieces.append(
+            da.from_array(
+                rows, chunks=(step, -1), meta=np.empty((0, 0), rows.dtype), inline_array=False
+            )
+        )
+    array = pieces[0] if len(pieces) == 1 else da.concatenate(pieces, axis=0)
+    if chunk_rows is not None and len(pieces) > 1:
+        array = array.rechunk((chunk_rows, -1))
+    return array
+
+
+def _matrix_table(
+    array: Any,
+    path: str,
+    target: str | None,
+    features: Sequence[str] | None,
+    weight: str | None,
+    exclude: Sequence[str],
+    chunk_rows: int | None,
+) -> Table:
+    if array.ndim != 2:
+        raise InputError(f"{path!r} holds a {array.ndim}-D array; expected 2-D (rows, columns)")
+    width = int(array.shape[1])
+    if chunk_rows is not None:
+        array = array.rechunk((chunk_rows, -1))
+    else:
+        array = array.rechunk({1: -1})
+    t = None if target is None else _parse_position(target, width)[0]
+    w = None if weight is None else _parse_position(weight, width)[0]
+    cols = _positions(features, width)
+    if cols is None:
+        skip = {t, w, *(_positions(exclude, width) or [])}
+        cols = [j for j in range(width) if j not in skip]
+    if not cols:
+        raise InputError(f"{path!r} has no feature columns left besides the target and weight")
+    return Table(
+        X=array[:, cols],
+        y=None if t is None else array[:, t],
+        sample_weight=None if w is None else array[:, w],
+        feature_names=[f"x{j}" for j in cols],
+        named=False,
+    )
+
+
+def _zarr_table(
+    path: str,
+    target: str | None,
+    features: Sequence[str] | None,
+    weight: str | None,
+    exclude: Sequence[str],
+    chunk_rows: int | None,
+) -> Table:
+    import dask.array as da
+
+    zarr = require("zarr", "io", "reading Zarr")
+    try:
+        node = zarr.open(store=path, mode="r")
+    except Exception as exc:  # zarr raises several unrelated types for "not a store"
+        raise InputError(f"cannot open {path!r} as a Zarr store: {exc}") from exc
+    if isinstance(node, zarr.Array):
+        return _matrix_table(
+            da.from_zarr(path), path, target, features, weight, exclude, chunk_rows
+        )
+    arrays = dict(node.arrays())
+    names = sorted(arrays)
+    for role, name in (("target", target), ("weight", weight)):
+        if name is not None and name not in arrays:
+            raise InputError(f"{role} array {name!r} is not in the Zarr group {path!r} ({names})")
+    if target is None:
+        raise InputError(f"choose the target array of the Zarr group {path!r} ({names})")
+    n_rows = int(arrays[target].shape[0])
+    if features is None:
+        skip = {target, weight, *exclude}
+        features = [n for n in names if n not in skip and arrays[n].shape[:1] == (n_rows,)]
+    missing = [f for f in features if f not in arrays]
+    if missing:
+        raise InputError(f"feature arrays {missing} are not in the Zarr group {path!r} ({names})")
+    if not features:
+        raise InputError(f"the Zarr group {path!r} has no feature arrays of {n_rows} rows")
+
+    def load(name: str) -> Any:
+        arr = da.from_zarr(path, component=name)
+        if arr.shape[0] != n_rows or arr.ndim > 2:
+            raise InputError(
+                f"array {name!r} of {path!r} has shape {arr.shape}; expected {n_rows} rows "
+                "and at most 2 dimensions"
+            )
+        return arr
+
+    target_arr = load(target)
+    rows = chunk_rows if chunk_rows is not None else target_arr.chunks[0]
+
+    def column(arr: Any) -> Any:
+        return arr.reshape(-1) if arr.ndim == 2 and arr.shape[1] == 1 else arr
+
+    blocks, display = [], []
+    for name in features:
+        arr = load(name)
+        blocks.append(arr[:, None] if arr.ndim == 1 else arr)
+        display += [name] if arr.ndim == 1 else [f"{name}[{j}]" for j in range(arr.shape[1])]
+    X = da.concatenate(blocks, axis=1).rechunk({0: rows, 1: -1})
+    return Table(
+        X=X,
+        y=column(target_arr).rechunk({0: rows}),
+        sample_weight=None if weight is None else column(load(weight)).rechunk({0: rows}),
+        feature_names=display,
+        named=False,
+    )
+
+
+# -- the entry point -----------------------------------------------------------------------
+def open_table(
+    path: str | os.PathLike[str],
+    *,
+    target: str | None = None,
+    features: Sequence[str] | None = None,
+    weight: str | None = None,
+    exclude: Sequence[str] = (),
+    chunk_rows: int | None = None,
+    fmt: str | None = None,
+) -> Table:
+    """Open ``path`` lazily as features, target and weights.
+
+    Parameters
+    ----------
+    path : str or path-like
+        A file, a directory, a glob (quote it in a shell) or a URL that dask
+        reads (``s3://...`` needs the matching fsspec package).
+    target : str, optional
+        Column name (tables, Zarr groups) or position (2-D arrays) of ``y``;
+        ``None`` reads features only (prediction).
+    features : sequence of str, optional
+        Feature columns; default: every column that is not the target, the
+        weight or in ``exclude``.
+    weight : str, optional
+        Column of frequency weights.
+    exclude : sequence of str
+        Columns left out of the default feature set.
+    chunk_rows : int, optional
+        Re-cut the stream into batches of exactly this many rows (the last one
+        shorter). For tables this counts the rows of every partition first.
+    fmt : {"parquet", "csv", "zarr", "npy"}, optional
+        Override the format detected from ``path``.
+
+    Raises
+    ------
+    InputError
+        Missing files, unknown columns, non-numeric columns, unknown format.
+    MissingExtraError
+        When the reader of the format is not installed.
+    """
+    path = os.fspath(path)
+    if chunk_rows is not None and chunk_rows < 1:
+        raise InputError(f"chunk_rows must be >= 1, got {chunk_rows}")
+    fmt = fmt or detect_format(path)
+    if fmt not in INPUT_FORMATS:
+        raise InputError(f"unknown input format {fmt!r}; choose one of {INPUT_FORMATS}")
+    paths = _local_paths(path, fmt)
+    if fmt in ("parquet", "csv"):
+        table = _frame_table(
+            _read_frame(paths, fmt, path), path, target, features, weight, exclude, chunk_rows
+        )
+    elif fmt == "zarr":
+        if len(paths) != 1:
+            raise InputError(f"{path!r} matches {len(paths)} Zarr stores; give one store")
+        table = _zarr_table(paths[0], target, features, weight, exclude, chunk_rows)
+    else:
+        table = _matrix_table(
+            _npy_array(paths, chunk_rows), path, target, features, weight, exclude, chunk_rows
+        )
+    table.description = {
+        "path": path,
+        "format": fmt,
+        "files": len(paths),
+        "chunks": table.n_chunks,
+        "chunk_rows": chunk_rows,
+        "rows": _known_rows(table.X),
+        "features": list(table.feature_names),
+        "target": target,
+        "weight": weight,
+    }
+    return table
+
+
+def _known_rows(X: Any) -> int | None:
+    """Row count when the collection knows it without reading data."""
+    if not _is_array(X):
+        return None
+    rows = X.shape[0]
+    return None if rows is None or rows != rows else int(rows)  # NaN: unknown chunks
+
+
+# -- writing predictions ----------------------------------------------------------------------
+def output_format(path: str | os.PathLike[str]) -> str:
+    """The prediction output format from ``path``'s suffix.
+
+    Raises
+    ------
+    InputError
+        For a suffix other than ``.parquet``/``.pq``, ``.csv`` or ``.npy``.
+    """
+    suffix = Path(path).suffix.lower()
+    if suffix not in OUTPUT_FORMATS:
+        raise InputError(
+            f"cannot write predictions to {os.fspath(path)!r}: the name must end in one of "
+            f"{', '.join(OUTPUT_FORMATS)}"
+        )
+    return OUTPUT_FORMATS[suffix]
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir():
+        shutil.rmtree(path)
+    elif path.exists():
+        path.unlink()
+
+
+def write_predictions(
+    predictions: Any,
+    path: str | os.PathLike[str],
+    *,
+    column: str = "prediction",
+    overwrite: bool = False,
+    window: int = 4,
+) -> dict[str, Any]:
+    """Write a lazy 1-D Dask array of predictions, chunk by chunk, in row order.
+
+    ``.parquet``/``.pq`` writes a Parquet dataset (a directory, one file per
+    chunk); ``.csv`` one CSV file with a header; ``.npy`` one ``.npy`` file.
+    Memory stays bounded by a few chunks whatever the length.
+
+    Parameters
+    ----------
+    predictions : dask.array.Array
+    path : str or path-like
+    column : str
+        Column name in Parquet and CSV output.
+    overwrite : bool
+        Replace an existing file or directory at ``path``.
+    window : int
+        Chunks computed at once when writing ``.npy``.
+
+    Returns
+    -------
+    dict
+        ``path``, ``format`` and ``rows`` written.
+    """
+    fmt = output_format(path)
+    target = Path(path)
+    if target.exists() and not overwrite:
+        raise InputError(f"{os.fspath(path)!r} exists; pass --overwrite to replace it")
+    if not target.parent.is_dir():
+        raise InputError(f"the directory of {os.fspath(path)!r} does not exist")
+    _remove(target)
+    if fmt == "npy":
+        rows = _write_npy(predictions, target, window)
+    else:
+        import dask.dataframe as dd
+
+        frame = dd.from_dask_array(predictions, columns=column).to_frame()
+        if fmt == "parquet":
+            # Zero-padded names: readers that sort file names keep the row order.
+            width = len(str(frame.npartitions))
+            frame.to_parquet(
+                target,
+                write_index=False,
+                name_function=lambda i: f"part-{i:0{width}d}.parquet",
+            )
+        else:
+            frame.to_csv(target, single_file=True, index=False)
+        rows = None
+    return {"path": os.fspath(target), "format": fmt, "rows": rows}
+
+
+def _write_npy(predictions: Any, path: Path, window: int) -> int:
+    """Stream chunks to a raw file, then wrap it in a ``.npy`` header.
+
+    The row count is only known once every chunk has been computed (tables
+    have unknown partition lengths), and a ``.npy`` header states the shape
+    up front: so the values go to a side file first and are copied behind
+    the header in slices. The copy is one column, small next to the input.
+    """
+    import dask
+
+    blocks = list(predictions.to_delayed().ravel())
+    dtype = np.dtype(predictions.dtype)
+    raw = path.with_name(path.name + ".part")
+    rows = 0
+    try:
+        with open(raw, "wb") as sink:
+            for start in range(0, len(blocks), max(1, window)):
+                for block in dask.compute(*blocks[start : start + window]):
+                    values = np.ascontiguousarray(block, dtype=dtype).reshape(-1)
+                    sink.write(values.tobytes())
+                    rows += values.size
+        out = np.lib.format.open_memmap(path, mode="w+", dtype=dtype, shape=(rows,))
+        source = np.memmap(raw, dtype=dtype, mode="r", shape=(rows,)) if rows else None
+        step = 1 << 22
+        for start in range(0, rows, step):
+            out[start : start + step] = source[start : start + step]
+        out.flush()
+        del out, source
+    finally:
+        raw.unlink(missing_ok=True)
+    return rows

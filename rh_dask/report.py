@@ -1,0 +1,232 @@
+"""Per-fit reports: ``report.json`` and the plots next to it.
+
+A report directory holds
+
+* ``report.json``: schema ``rh-dask-report`` version 1 with the command,
+  the configuration, the data, the result (coefficients by name), timings,
+  the per-chunk history, the coefficient trajectory, the engine and where
+  it ran, and the hardware of the client and of every worker;
+* ``coefficients.png``: coefficient trajectories over the stream;
+* ``convergence.png``: iterations and objective per chunk;
+* ``throughput.png``: rows per second over the wall-clock time of the fit,
+  and the engine's own rows per second per chunk.
+
+The plots need matplotlib (the ``report`` extra); without it
+:func:`write_report` raises :class:`~rh_dask.extras.MissingExtraError`
+before writing anything.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import math
+import os
+import platform
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ._version import __version__
+from .extras import require
+from .jobs import FitOutcome
+
+__all__ = ["SCHEMA", "SCHEMA_VERSION", "build_report", "hardware", "write_report"]
+
+SCHEMA = "rh-dask-report"
+SCHEMA_VERSION = 1
+_PACKAGES = ("numpy", "pandas", "dask", "distributed", "scipy", "cupy", "dask_cuda")
+
+
+def _jsonable(value: Any) -> Any:
+    """Plain JSON values: NumPy scalars and arrays unwrapped, NaN and inf as null."""
+    if isinstance(value, dict):
+        return {str(k): _jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v) for v in value]
+    if isinstance(value, np.ndarray):
+        return _jsonable(value.tolist())
+    if isinstance(value, np.generic):
+        return _jsonable(value.item())
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, Path):
+        return os.fspath(value)
+    return value
+
+
+def _versions() -> dict[str, str]:
+    out = {"rh_dask": __version__, "python": platform.python_version()}
+    for name in _PACKAGES:
+        module = sys.modules.get(name)
+        if module is not None:
+            out[name] = str(getattr(module, "__version__", "unknown"))
+    return out
+
+
+def _client_gpu() -> list[str]:
+    """GPU names visible to this process, when CuPy is already loaded (never imported here)."""
+    cupy = sys.modules.get("cupy")
+    if cupy is None:
+        return []
+    try:
+        count = cupy.cuda.runtime.getDeviceCount()
+        return [cupy.cuda.runtime.getDeviceProperties(i)["name"].decode() for i in range(count)]
+    except Exception:  # a CuPy without a working driver
+        return []
+
+
+def hardware(session: Any | None) -> dict[str, Any]:
+    """The client machine, and the cluster's workers when there is a cluster."""
+    import psutil  # a dependency of distributed
+
+    return {
+        "client": {
+            "host": platform.node(),
+            "platform": platform.platform(),
+            "machine": platform.machine(),
+            "cpus": os.cpu_count(),
+            "memory_bytes": int(psutil.virtual_memory().total),
+            "gpus": _client_gpu(),
+        },
+        "cluster": None
+        if session is None or session.client is None
+        else {
+            "kind": session.kind,
+            "scheduler": session.address,
+            "workers": session.workers(),
+        },
+    }
+
+
+def _coefficients_by_name(model: Any, names: list[str]) -> dict[str, float]:
+    out = dict(zip(names, (float(c) for c in model.coef_), strict=True))
+    if model.fit_intercept:
+        out["(intercept)"] = float(model.intercept_)
+    return out
+
+
+def build_report(
+    outcome: FitOutcome,
+    *,
+    data: dict[str, Any],
+    feature_names: list[str],
+    session: Any | None = None,
+    command: list[str] | None = None,
+    timings: dict[str, float] | None = None,
+    model_path: str | None = None,
+    extra: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """Everything ``report.json`` holds, as JSON-ready values.
+
+    Parameters
+    ----------
+    outcome : FitOutcome
+        The fitted model, its history and trajectory.
+    data : dict
+        Description of the input (:attr:`rh_dask.io.Table.description`).
+    feature_names : list of str
+        Display names of the features.
+    session : ClusterSession, optional
+        The cluster the fit ran on.
+    command : list of str, optional
+        The command line.
+    timings : dict, optional
+        Further timings (seconds) to record next to the fit's.
+    model_path : str, optional
+        Where the model was saved.
+    extra : dict, optional
+        Further sections (the demo adds its comparison with least squares).
+    """
+    model = outcome.model
+    history = outcome.history
+    rows = int(model.n_samples_seen_)
+    engine_seconds = float(history["seconds"].sum()) if len(history) else 0.0
+    fit_seconds = float(outcome.seconds)
+    traj = outcome.trajectory
+    names = [*feature_names, *(["(intercept)"] if model.fit_intercept else [])]
+    report = {
+        "schema": SCHEMA,
+        "schema_version": SCHEMA_VERSION,
+        "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "command": command,
+        "parameters": model.get_params(),
+        "data": {**data, "rows": rows, "chunks_consumed": len(history)},
+        "result": {
+            "model": model_path,
+            "coefficients": _coefficients_by_name(model, feature_names),
+            "n_samples_seen": rows,
+            "batch_count": int(model.state_.batch_count),
+            "n_empty_chunks": int(model.n_empty_chunks_),
+            "chunks_not_converged": int((~history["converged"]).sum()) if len(history) else 0,
+        },
+        "timings": {
+            **(timings or {}),
+            "fit_seconds": fit_seconds,
+            "engine_seconds": engine_seconds,
+            "rows_per_second": rows / fit_seconds if fit_seconds > 0 else None,
+            "engine_rows_per_second": rows / engine_seconds if engine_seconds > 0 else None,
+        },
+        "engine": {
+            "name": outcome.engine,
+            "dtype": model.dtype,
+            "placements": outcome.placements,
+            "notes": outcome.notes,
+        },
+        "history": history.to_dict(orient="records"),
+        "coefficient_trajectory": {
+            "names": names,
+            "after_chunk": traj.after_chunk,
+            "rows": traj.rows,
+            "elapsed_seconds": traj.elapsed,
+            "coefficients": [list(map(float, beta)) for beta in traj.coefficients],
+        },
+        "hardware": hardware(session),
+        "versions": _versions(),
+    }
+    if extra:
+        report.update(extra)
+    return _jsonable(report)
+
+
+def write_report(
+    directory: str | os.PathLike[str],
+    report: dict[str, Any],
+    *,
+    truth: np.ndarray | None = None,
+) -> list[Path]:
+    """Write ``report.json`` and the plots into ``directory`` (created if needed).
+
+    Parameters
+    ----------
+    directory : str or path-like
+    report : dict
+        What :func:`build_report` returned.
+    truth : ndarray, optional
+        True coefficients (intercept last), drawn as reference lines.
+
+    Returns
+    -------
+    list of Path
+        The files written, ``report.json`` first.
+    """
+    require("matplotlib", "report", "plotting the fit report")
+    from . import plots
+
+    out = Path(directory)
+    out.mkdir(parents=True, exist_ok=True)
+    figures = [
+        plots.coefficients(report["coefficient_trajectory"], out / "coefficients.png", truth),
+        plots.convergence(report["history"], out / "convergence.png"),
+        plots.throughput(
+            report["coefficient_trajectory"], report["history"], out / "throughput.png"
+        ),
+    ]
+    report = dict(report, plots=[p.name for p in figures])
+    path = out / "report.json"
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(report, indent=2, allow_nan=False) + "\n")
+    os.replace(tmp, path)
+    return [path, *figures]

@@ -1,0 +1,292 @@
+"""deploy/: the local recipe run on CPU, the other recipes checked statically.
+
+The local script starts a real scheduler and workers on 127.0.0.1 (one
+worker advertising GPU=1 without a GPU, one CPU worker) and the command
+line fits against it: this exercises where the engine is placed. Docker,
+Kubernetes and SLURM are not available here, so their files are parsed and
+checked for the fields that make them work; none was built or applied.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pandas as pd
+import pytest
+import yaml
+
+from rh_dask.cli import EXIT_ENGINE, build_parser
+from rh_dask.datasets import StreamSpec
+
+ROOT = Path(__file__).resolve().parents[1]
+DEPLOY = ROOT / "deploy"
+BIN = Path(sys.executable).parent
+
+
+def _env() -> dict[str, str]:
+    # The recipes call `dask` and `python` from PATH: the test's environment first.
+    return {**os.environ, "PATH": f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}"}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _stop(process: subprocess.Popen) -> None:
+    """SIGTERM the recipe's process group (it and everything it started), then wait."""
+    if process.poll() is None:
+        os.killpg(process.pid, signal.SIGTERM)
+        try:
+            process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait(timeout=10)
+
+
+def _wait_for_workers(address: str, n: int, timeout: float = 60) -> list[dict]:
+    from distributed import Client
+
+    with Client(address, timeout=timeout) as client:
+        client.wait_for_workers(n, timeout=timeout)
+        info = client.scheduler_info(n_workers=-1)["workers"]
+        return [{"address": a, **w} for a, w in info.items()]
+
+
+def _rh_dask(*args: str, cwd: Path) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "rh_dask", *args],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=180,
+        env=_env(),
+    )
+
+
+@pytest.fixture
+def parquet(tmp_path) -> Path:
+    spec = StreamSpec(n_features=3, seed=11)
+    path = tmp_path / "data.parquet"
+    path.mkdir()
+    for i in range(4):
+        X, y = spec.chunk(i, 250)
+        frame = pd.DataFrame(X, columns=["a", "b", "c"]).assign(y=y)
+        frame.to_parquet(path / f"part-{i}.parquet", index=False)
+    return path
+
+
+# -- the local recipe, for real ------------------------------------------------------------
+def test_local_script_places_the_engine_by_resources(tmp_path, parquet):
+    port = _free_port()
+    address = f"tcp://127.0.0.1:{port}"
+    script = [str(DEPLOY / "local" / "start-cluster.sh"), "--port", str(port)]
+    script += ["--gpu-slots-on-cpu", "1", "--cpu-workers", "1"]
+    process = subprocess.Popen(
+        script,
+        cwd=tmp_path,
+        env=_env(),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,  # its own process group: _stop reaches every child
+    )
+    try:
+        workers = _wait_for_workers(address, 2)
+        by_name = {w["name"]: w for w in workers}
+        assert by_name["gpu-slot-0"]["resources"] == {"GPU": 1}
+        assert by_name["cpu-0"]["resources"] == {}
+        fit = ["fit", "--input", str(parquet), "--target", "y", "--scheduler", address]
+
+        # auto: the cluster advertises a GPU, so the GPU engine is tried first; it
+        # cannot start here (no CuPy), so the fit falls back to the NumPy engine,
+        # which placement keeps off the GPU worker.
+        result = _rh_dask(*fit, "--output", "auto.npz", "--report", "auto", cwd=tmp_path)
+        assert result.returncode == 0, result.stderr
+        report = json.loads((tmp_path / "auto" / "report.json").read_text())
+        placed = {p["worker"] for p in report["engine"]["placements"]}
+        assert placed == {by_name["cpu-0"]["address"]}
+        assert report["engine"]["name"] == "numpy"
+        assert any("unavailable" in note for note in report["engine"]["notes"])
+        names = {w["name"] for w in report["hardware"]["cluster"]["workers"]}
+        assert names == {"gpu-slot-0", "cpu-0"}
+
+        # An explicit worker wins over the resource rule.
+        gpu_slot = by_name["gpu-slot-0"]["address"]
+        result = _rh_dask(
+            *fit, "--engine", "numpy", "--worker", gpu_slot, "--output", "pinned.npz",
+            "--report", "pinned", "--trajectory-points", "1", cwd=tmp_path,
+        )  # fmt: skip
+        assert result.returncode == 0, result.stderr
+        report = json.loads((tmp_path / "pinned" / "report.json").read_text())
+        assert report["engine"]["placements"][0]["worker"] == gpu_slot
+
+        # engine=gpu goes to the GPU=1 worker, which has no GPU engine: exit 5.
+        result = _rh_dask(*fit, "--engine", "gpu", "--output", "gpu.npz", cwd=tmp_path)
+        if result.returncode == 0:
+            pytest.skip("a GPU engine started on this machine")
+        assert result.returncode == EXIT_ENGINE, result.stderr
+        assert "gpu" in result.stderr.lower()
+    finally:
+        _stop(process)
+    assert process.returncode is not None
+    # Nothing left listening on the scheduler port.
+    with socket.socket() as s:
+        assert s.connect_ex(("127.0.0.1", port)) != 0
+
+
+def test_local_python_equivalent_starts_gpu_resource_workers(tmp_path):
+    port = _free_port()
+    command = [sys.executable, str(DEPLOY / "local" / "cluster.py"), "--cpu-as-gpu"]
+    process = subprocess.Popen(
+        [*command, "--port", str(port), "--workers", "1", "--threads", "1"],
+        cwd=tmp_path,
+        env=_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        first = process.stdout.readline()
+        assert f"tcp://127.0.0.1:{port}" in first
+        workers = _wait_for_workers(f"tcp://127.0.0.1:{port}", 1)
+        assert [w["resources"] for w in workers] == [{"GPU": 1}]
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(timeout=30) == 0
+    finally:
+        _stop(process)
+
+
+# -- shell scripts and the Dockerfile --------------------------------------------------------
+@pytest.mark.parametrize("script", ["local/start-cluster.sh", "slurm/rh-dask-fit.sbatch"])
+def test_shell_scripts_parse_and_are_executable(script):
+    path = DEPLOY / script
+    subprocess.run(["bash", "-n", str(path)], check=True)
+    assert os.access(path, os.X_OK)
+
+
+def test_sbatch_starts_cuda_workers_with_the_resource_and_runs_a_valid_fit():
+    text = (DEPLOY / "slurm" / "rh-dask-fit.sbatch").read_text()
+    assert re.search(r"^#SBATCH --gres=gpu:\d+", text, re.M)
+    assert "dask scheduler --scheduler-file" in text
+    assert re.search(r"dask cuda worker --scheduler-file \S+\s*\\?\s*--resources GPU=1", text)
+    fit = text[text.rindex("rh-dask fit --") :].replace("\\\n", " ")
+    args = shlex.split(fit.split("$FIT_ARGS")[0])[1:]
+    values = {a: "x" for a in args if a.startswith('"$') or a.startswith("$")}
+    parsed = build_parser().parse_args([values.get(a, a) for a in args])
+    assert parsed.scheduler_file and parsed.report and parsed.no_progress
+
+
+def _pins() -> dict[str, str]:
+    """Exact pins (``name==version``) of pyproject.toml, extras included."""
+    text = (ROOT / "pyproject.toml").read_text()
+    found = re.findall(r'"([A-Za-z0-9_.-]+)(?:\[[^\]]*\])?==([^"]+)"', text)
+    return {name: version for name, version in found if name.startswith(("dask", "distributed"))}
+
+
+def test_dockerfile_pins_match_the_project_and_copies_what_exists():
+    text = (DEPLOY / "docker" / "Dockerfile").read_text()
+    assert re.search(r"^FROM \$\{CUDA_IMAGE\}", text, re.M)
+    assert re.search(r"^ARG CUDA_IMAGE=nvidia/cuda:12\.\S+-runtime-", text, re.M)
+    pins = _pins()
+    assert pins["dask"] == "2026.7.1" and pins["distributed"] == "2026.7.1"
+    for name, version in pins.items():
+        assert f'"{name}=={version}"' in text, name
+    assert '"/src[gpu,io,report]"' in text
+    for source in re.findall(r"^COPY (.+) /src/?\S*$", text, re.M):
+        for item in source.split():
+            assert (ROOT / item).exists(), item
+    lines = (DEPLOY / "docker" / "Dockerfile.dockerignore").read_text().splitlines()
+    ignore = [line for line in lines if line and not line.startswith("#")]
+    assert ignore[0] == "*" and {"!rh_dask/**", "!gpu_engine/**", "!pyproject.toml"} <= set(ignore)
+
+
+# -- compose and Kubernetes ----------------------------------------------------------------
+def _command_line(args: list[str]) -> str:
+    return " ".join(str(a) for a in args)
+
+
+def test_compose_has_scheduler_gpu_and_cpu_workers_and_a_valid_job():
+    compose = yaml.safe_load((DEPLOY / "docker" / "compose.yaml").read_text())
+    services = compose["services"]
+    assert set(services) == {"scheduler", "gpu-worker", "cpu-worker", "job"}
+    images = {s["image"] for s in services.values()}
+    assert len(images) == 1
+    build = services["scheduler"]["build"]
+    assert (DEPLOY / "docker" / build["context"] / build["dockerfile"]).is_file()
+    assert _command_line(services["scheduler"]["command"]).startswith("dask scheduler")
+    gpu = services["gpu-worker"]
+    assert _command_line(gpu["command"]).startswith("dask cuda worker tcp://scheduler:8786")
+    assert "--resources GPU=1" in _command_line(gpu["command"])
+    device = gpu["deploy"]["resources"]["reservations"]["devices"][0]
+    assert device["driver"] == "nvidia" and "gpu" in device["capabilities"]
+    assert _command_line(services["cpu-worker"]["command"]).startswith("dask worker ")
+    job = services["job"]["command"]
+    assert job[:2] == ["rh-dask", "fit"]
+    parsed = build_parser().parse_args(job[1:])
+    assert parsed.scheduler == "tcp://scheduler:8786"
+    for service in services.values():
+        assert "./data:/data" in service["volumes"]
+
+
+def _k8s() -> dict[str, list[dict]]:
+    docs: dict[str, list[dict]] = {}
+    for path in sorted((DEPLOY / "kubernetes").glob("*.yaml")):
+        for doc in yaml.safe_load_all(path.read_text()):
+            docs.setdefault(doc["kind"], []).append(doc)
+    return docs
+
+
+def test_kubernetes_gpu_worker_group_requests_a_gpu_and_advertises_it():
+    docs = _k8s()
+    (cluster,) = docs["DaskCluster"]
+    (group,) = docs["DaskWorkerGroup"]
+    assert cluster["apiVersion"] == group["apiVersion"] == "kubernetes.dask.org/v1"
+    name = cluster["metadata"]["name"]
+    assert group["spec"]["cluster"] == name
+    (gpu,) = group["spec"]["worker"]["spec"]["containers"]
+    assert gpu["resources"]["limits"]["nvidia.com/gpu"] == 1
+    args = _command_line(gpu["args"])
+    assert args.startswith("dask cuda worker") and "--resources GPU=1" in args
+    (cpu,) = cluster["spec"]["worker"]["spec"]["containers"]
+    assert _command_line(cpu["args"]).startswith("dask worker")
+    assert "nvidia.com/gpu" not in str(cpu.get("resources"))
+    scheduler = cluster["spec"]["scheduler"]
+    assert {p["port"] for p in scheduler["service"]["ports"]} >= {8786}
+    assert scheduler["service"]["selector"]["dask.org/cluster-name"] == name
+    images = {gpu["image"], cpu["image"], scheduler["spec"]["containers"][0]["image"]}
+    (job,) = docs["Job"]
+    (fit,) = job["spec"]["template"]["spec"]["containers"]
+    images.add(fit["image"])
+    assert len(images) == 1
+    parsed = build_parser().parse_args(fit["args"][1:])
+    # The operator names the scheduler service <cluster>-scheduler.
+    assert parsed.scheduler == f"tcp://{name}-scheduler:8786"
+    (claim,) = docs["PersistentVolumeClaim"]
+    assert "ReadWriteMany" in claim["spec"]["accessModes"]
+    pods = [
+        cluster["spec"]["worker"]["spec"],
+        group["spec"]["worker"]["spec"],
+        job["spec"]["template"]["spec"],
+    ]
+    for pod in pods:
+        claims = [v["persistentVolumeClaim"]["claimName"] for v in pod["volumes"]]
+        assert claims == [claim["metadata"]["name"]]
+
+
+def test_every_recipe_says_how_to_start_and_how_to_connect():
+    for recipe in ("local", "docker", "kubernetes", "slurm"):
+        text = (DEPLOY / recipe / "README.md").read_text()
+        assert "## Start" in text and "## Connect" in text, recipe
+    index = (DEPLOY / "README.md").read_text()
+    for recipe in ("local", "docker", "kubernetes", "slurm"):
+        assert f"({recipe}/README.md)" in index
