@@ -182,6 +182,14 @@ def test_persisted_inputs_and_a_client_routed_through_the_scheduler(
     _same(model, _loop(_row_blocks(X, y, None, [500] * 4)), assert_unchanged, snapshot)
 
 
+def test_scalar_weight(client, snapshot, assert_unchanged):
+    X, y, _ = _data(n=1_500, seed=25)
+    model = RenewableHuberRegressor(progress=False)
+    model.fit(da.from_array(X, chunks=(500, 5)), da.from_array(y, 500), sample_weight=2.0)
+    ref = _loop([(X_, y_, 2.0) for X_, y_, _ in _row_blocks(X, y, None, [500] * 3)])
+    _same(model, ref, assert_unchanged, snapshot)
+
+
 # -- DataFrames -----------------------------------------------------------------------
 def _frame(n=3_000, d=4, seed=6, npartitions=5):
     X, y, w = _data(n=n, d=d, seed=seed, weights=True)

@@ -60,6 +60,8 @@ class AlignedStream:
         DataFrame feature columns (all strings), else ``None``.
     target, weight : str or None
         Columns of ``X`` holding ``y`` / the weights.
+    weight_value : float or None
+        A scalar weight for every row.
     """
 
     parts: tuple[Any, ...]
@@ -69,6 +71,7 @@ class AlignedStream:
     feature_names: tuple[str, ...] | None
     target: str | None = None
     weight: str | None = None
+    weight_value: float | None = None
 
     def spec(self, index: int, dtype: str, accept_device: bool) -> ChunkSpec:
         """The loader's expectations for chunk ``index``."""
@@ -80,6 +83,7 @@ class AlignedStream:
             target=self.target,
             weight=self.weight,
             accept_device=accept_device,
+            weight_value=self.weight_value,
         )
 
 
@@ -170,7 +174,7 @@ def align_stream(X: Any, y: Any, sample_weight: Any | None) -> AlignedStream:
         Row chunks / partitions are the batches. Column chunks are merged.
     y : dask array or Series, in-memory vector, or str
         Targets; a string names a column of the DataFrame ``X``.
-    sample_weight : same kinds as ``y``, or None
+    sample_weight : same kinds as ``y``, a scalar, or None
 
     Raises
     ------
@@ -211,7 +215,10 @@ def align_stream(X: Any, y: Any, sample_weight: Any | None) -> AlignedStream:
     if not isinstance(y, str):
         parts.append(_align_vector("y", y, X))
         roles.append("y")
-    if sample_weight is not None and not isinstance(sample_weight, str):
+    weight_value = None
+    if np.isscalar(sample_weight) and not isinstance(sample_weight, str):
+        weight_value = float(sample_weight)
+    elif sample_weight is not None and not isinstance(sample_weight, str):
         parts.append(_align_vector("sample_weight", sample_weight, X))
         roles.append("w")
     return AlignedStream(
@@ -222,6 +229,7 @@ def align_stream(X: Any, y: Any, sample_weight: Any | None) -> AlignedStream:
         feature_names=names,
         target=target,
         weight=weight,
+        weight_value=weight_value,
     )
 
 

@@ -31,6 +31,8 @@ class ChunkSpec:
         Column of the partition holding ``y`` (``y`` given as a column name).
     weight : str or None
         Column of the partition holding ``sample_weight``.
+    weight_value : float or None
+        A scalar ``sample_weight`` (the same weight for every row).
     accept_device : bool
         Whether CUDA arrays may pass validation (GPU engine).
     """
@@ -42,6 +44,7 @@ class ChunkSpec:
     target: str | None = None
     weight: str | None = None
     accept_device: bool = False
+    weight_value: float | None = None
 
     @property
     def has_expectations(self) -> bool:

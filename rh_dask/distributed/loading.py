@@ -16,6 +16,8 @@ from .items import BadChunk, ChunkItem, ChunkSpec, EmptyChunk, LoadedChunk
 
 def chunk_parts(x_part: Any, y_part: Any, w_part: Any, spec: ChunkSpec) -> tuple[Any, Any, Any]:
     """The chunk's ``(X, y, sample_weight)``, taking columns named in ``spec`` out of X."""
+    if spec.weight_value is not None:
+        w_part = spec.weight_value  # validate_batch broadcasts a scalar weight
     if spec.target is None and spec.weight is None:
         return x_part, y_part, w_part
     y = x_part[spec.target] if spec.target is not None else y_part
