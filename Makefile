@@ -12,8 +12,10 @@ $(BIN)/rh-dask-installed: pyproject.toml
 	$(BIN)/python -m pip install -q -e ".[dev,io,report,bench]"
 	touch $@
 
+# Writes a generated stream to a temporary Parquet dataset, fits it on a local
+# cluster (CUDA when dask-cuda sees a GPU), saves rh-dask-output/demo/.
 demo: $(BIN)/rh-dask-installed
-	$(BIN)/python -m rh_dask.demo
+	$(BIN)/rh-dask demo
 
 test: $(BIN)/rh-dask-installed
 	$(BIN)/ruff format --check .
