@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from dask.utils import natural_sort_key
 
 from .exceptions import RhDaskError
 from .extras import require
@@ -191,18 +192,22 @@ def detect_format(path: str) -> str:
 
 
 def _local_paths(path: str, fmt: str) -> list[str]:
-    """Files (or the store) that ``path`` names; glob patterns expanded and sorted."""
+    """Files (or the store) that ``path`` names, globs expanded.
+
+    Files come in natural order (``part.2`` before ``part.10``), the order in
+    which dask itself lists Parquet datasets, so every format agrees.
+    """
     if _is_url(path):
         return [path]
     if glob.has_magic(path):
-        matches = sorted(glob.glob(path))
+        matches = sorted(glob.glob(path), key=natural_sort_key)
         if not matches:
             raise InputError(f"no file matches {path!r}")
         return matches
     if not os.path.exists(path):
         raise InputError(f"no such file or directory: {path!r}")
     if fmt == "npy" and os.path.isdir(path):
-        matches = sorted(glob.glob(os.path.join(path, "*.npy")))
+        matches = sorted(glob.glob(os.path.join(path, "*.npy")), key=natural_sort_key)
         if not matches:
             raise InputError(f"no .npy files in directory {path!r}")
         return matches

@@ -11,6 +11,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -366,3 +367,38 @@ def test_write_predictions_refuses_unknown_suffix(tmp_path):
 
     with pytest.raises(InputError, match="must end in one of"):
         write_predictions(da.zeros(3, chunks=2), tmp_path / "out.txt")
+
+
+# -- the documentation keeps up --------------------------------------------------------------
+DOCS = Path(__file__).resolve().parents[1] / "docs"
+
+
+def test_api_reference_covers_every_option_and_public_name():
+    import argparse
+
+    import rh_dask
+    from rh_dask.cli import build_parser
+
+    text = (DOCS / "api.md").read_text()
+    parser = build_parser()
+    (commands,) = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    missing = []
+    for name, sub in commands.choices.items():
+        assert f"rh-dask {name}" in text
+        for action in sub._actions:
+            missing += [f"{name} {o}" for o in action.option_strings if o.startswith("--")]
+    missing = [m for m in missing if f"`{m.split()[1]}" not in text and m.split()[1] != "--help"]
+    assert not missing, missing
+    names = [n for n in rh_dask.__all__ if n != "__version__"]
+    assert not [n for n in names if f"`{n}" not in text]
+
+
+def test_relative_links_of_the_docs_resolve():
+    root = DOCS.parent
+    pages = [root / "README.md", *DOCS.glob("*.md"), *(root / "deploy").rglob("README.md")]
+    broken = []
+    for page in pages:
+        for target in re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", page.read_text()):
+            if "://" not in target and not (page.parent / target).exists():
+                broken.append(f"{page.relative_to(root)} -> {target}")
+    assert not broken, broken
