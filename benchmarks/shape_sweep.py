@@ -1,0 +1,589 @@
+"""Shape sweep: rh-dask's engines against renewable-huber 0.7.1, per stream and per batch.
+
+For each shape (latency, reference, wide, streaming) × dtype × penalty, one
+whole stream (empty state → last batch) is timed through:
+
+* ``rh_numpy``        rh-dask NumPy engine
+* ``rh_gpu_device``   rh-dask GPU engine, CuPy input already on the device
+* ``rh_gpu_eager``    the same without CUDA graphs (do graphs pay?)
+* ``rh_gpu_cusolver`` / ``rh_gpu_kernel`` the same with the Newton system forced
+                      through cuSOLVER potrf/potrs or through the fused one-block
+                      Cholesky kernel (unpenalised only: which pays where?)
+* ``rh_gpu_host``     GPU engine, NumPy input fed back to back (``partial_fit_stream``:
+                      the copy of batch i+1 overlaps the solve of batch i)
+* ``rh_gpu_host_serial`` GPU engine, NumPy input, plain ``partial_fit`` loop (no overlap)
+* ``rh_gpu_pinned``   GPU engine, NumPy input already in pinned memory, back to back
+* ``rh_numpy_opp``    renewable-huber ``backend="numpy"``
+* ``rh_cupy_opp_host`` / ``rh_cupy_opp_device`` renewable-huber ``backend="cupy"``
+
+Lifecycles: ``steady`` (engine or estimator warm, state reset outside the
+timer) and ``cold`` (a new estimator created inside the timer; first
+compilation is excluded by a warm-up in the same process, as a long-running
+service would see it). GPU timings end with a device synchronisation.
+
+Every raw timing is kept; summaries give the median and the minimum. Slow
+CPU-bound opponents may get fewer repeats within ``--cpu-budget`` seconds per
+case; the JSON records how many each one got.
+
+    python benchmarks/shape_sweep.py --quick --output benchmarks/results/shape_sweep.json
+    python benchmarks/shape_sweep.py --markdown benchmarks/results/shape_sweep.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import environment, fingerprint, summarize, write_json
+
+from rh_dask import HuberConfig, NumpyEngine, RenewableHuberRegressor
+from rh_dask.datasets import StreamSpec
+
+SCHEMA = "rh-dask/bench/shape-sweep/1"
+
+#: name: (rows, features, batch rows) — the issue's shapes
+SHAPES = {
+    "latency": (4_096, 16, 4_096),
+    "reference": (100_000, 90, 32_768),
+    "wide": (16_384, 256, 4_096),
+    "streaming": (1_000_000, 32, 65_536),
+}
+
+#: Competitor's native CUDA engine (v0.6.1), H200 medians per whole stream from an
+#: empty state, unpenalised, device input, ms (from the issue; it cannot run here).
+NATIVE_CUDA_MS = {
+    ("latency", "float32"): 1.76,
+    ("latency", "float64"): 1.94,
+    ("reference", "float32"): 6.10,
+    ("reference", "float64"): 6.67,
+    ("wide", "float32"): 15.5,
+    ("wide", "float64"): 10.3,
+    ("streaming", "float32"): 13.3,
+    ("streaming", "float64"): 11.3,
+}
+
+#: Device-to-device copy bandwidth measured on the H200 (bytes read + written per s).
+COPY_BANDWIDTH = 4.2e12
+
+
+def make_stream(shape: str, dtype: str) -> tuple[list[tuple[np.ndarray, np.ndarray]], str]:
+    rows, features, batch = SHAPES[shape]
+    X, y = StreamSpec(n_features=features, seed=7).chunk(0, rows, "float64")
+    X, y = np.ascontiguousarray(X, dtype=dtype), np.ascontiguousarray(y, dtype=dtype)
+    batches = [(X[s : s + batch], y[s : s + batch]) for s in range(0, rows, batch)]
+    return batches, fingerprint(X, y)
+
+
+def _sync() -> None:
+    try:
+        import cupy
+
+        cupy.cuda.Device().synchronize()
+    except ImportError:
+        pass
+
+
+class Runner:
+    """Times one stream repeatedly: warm-up runs, then samples, within a budget."""
+
+    def __init__(self, repeats: int, warmup: int, budget: float | None) -> None:
+        self.repeats = repeats
+        self.warmup = warmup
+        self.budget = budget
+
+    def __call__(
+        self, setup: Callable[[], Any], run: Callable[[Any], list[int]]
+    ) -> dict[str, Any]:
+        samples: list[float] = []
+        iterations: list[int] = []
+        first = None
+        spent = 0.0
+        for i in range(self.warmup + self.repeats):
+            ctx = setup()
+            _sync()
+            start = time.perf_counter()
+            its = run(ctx)
+            _sync()
+            elapsed = time.perf_counter() - start
+            spent += elapsed
+            if i == 0:
+                first = elapsed
+            if i >= self.warmup:
+                samples.append(elapsed)
+                iterations = its
+            if self.budget is not None and spent > self.budget and len(samples) >= 1:
+                break
+        out = summarize(samples)
+        out["stream_seconds"] = samples
+        out["first_run_seconds"] = first
+        out["warmup_runs"] = min(self.warmup, len(samples) + self.warmup)
+        out["iterations_per_batch"] = iterations
+        return out
+
+
+# -- engine runners -------------------------------------------------------------------------
+
+
+def rh_numpy_steady(config, batches, runner):
+    engine = NumpyEngine(config)
+
+    def setup():
+        engine.reset()
+        return engine
+
+    def run(e):
+        return [e.partial_fit(X, y).iterations for X, y in batches]
+
+    return runner(setup, run)
+
+
+def rh_estimator_cold(config, batches, runner, engine, to_input=None):
+    params = config.to_dict()
+
+    def setup():
+        return None
+
+    def run(_):
+        model = RenewableHuberRegressor(engine=engine, **params)
+        its = []
+        for X, y in batches:
+            if to_input is not None:
+                X, y = to_input(X, y)
+            model.partial_fit(X, y)
+            its.append(model.n_iter_)
+        return its
+
+    return runner(setup, run)
+
+
+def rh_gpu_steady(config, batches, runner, mode):
+    import cupy as cp
+
+    from gpu_engine import GpuEngine
+
+    options = {"graphs": mode != "eager"}
+    if mode == "cusolver":
+        options["cholesky"] = "cusolver"
+    elif mode == "kernel":
+        options["cholesky"] = "kernel"
+    engine = GpuEngine(config, **options)
+    if mode in ("device", "eager", "cusolver", "kernel"):
+        data = [(cp.asarray(X), cp.asarray(y)) for X, y in batches]
+    elif mode == "pinned":
+        data = []
+        for X, y in batches:
+            px = cp.cuda.alloc_pinned_memory(X.nbytes)
+            py = cp.cuda.alloc_pinned_memory(y.nbytes)
+            hx = np.frombuffer(px, X.dtype, X.size).reshape(X.shape)
+            hy = np.frombuffer(py, y.dtype, y.size)
+            hx[...] = X
+            hy[...] = y
+            data.append((hx, hy))
+    else:
+        data = batches
+
+    def setup():
+        engine.reset()
+        return engine
+
+    def run(e):
+        if mode in ("host", "pinned"):
+            return [d.iterations for d in e.partial_fit_stream(data)]
+        return [e.partial_fit(X, y).iterations for X, y in data]
+
+    result = runner(setup, run)
+    result["graphs"] = engine.graphs
+    result["graph_error"] = engine.graph_error
+    if config.penalised:
+        result["cholesky"] = "none (LAMM)"
+    else:
+        result["cholesky"] = "kernel" if getattr(engine, "_small_solve", False) else "cusolver"
+    engine.close()
+    return result
+
+
+def opponent(config, batches, runner, backend, lifecycle, device_input=False):
+    import renewable_huber
+
+    kwargs = {"penalty": config.penalty, "dtype": config.dtype, "backend": backend}
+    if backend == "cupy":
+        kwargs["device"] = "cuda"
+    data = batches
+    if device_input:
+        import cupy as cp
+
+        data = [(cp.asarray(X), cp.asarray(y)) for X, y in batches]
+    model = renewable_huber.RenewableHuberRegressor(**kwargs)
+
+    def setup():
+        if lifecycle == "steady":
+            model.reset()
+            return model
+        return None
+
+    def run(m):
+        if m is None:
+            m = renewable_huber.RenewableHuberRegressor(**kwargs)
+        its = []
+        for X, y in data:
+            m.partial_fit(X, y)
+            its.append(int(m.n_iter_))
+        return its
+
+    return runner(setup, run)
+
+
+# -- transfers --------------------------------------------------------------------------------
+
+
+def copy_timings(batch: np.ndarray, repeats: int = 7) -> dict[str, float] | None:
+    """Host-to-device copy time of one batch: pageable (cupy.asarray) and pinned."""
+    try:
+        import cupy as cp
+    except ImportError:
+        return None
+    dev = cp.empty(batch.shape, batch.dtype)
+    pinned_mem = cp.cuda.alloc_pinned_memory(batch.nbytes)
+    pinned = np.frombuffer(pinned_mem, batch.dtype, batch.size).reshape(batch.shape)
+    pinned[...] = batch
+    out = {}
+    for name, src in (("pageable", batch), ("pinned", pinned)):
+        samples = []
+        for _ in range(repeats):
+            cp.cuda.Device().synchronize()
+            start = time.perf_counter()
+            dev.set(src)
+            cp.cuda.Device().synchronize()
+            samples.append(time.perf_counter() - start)
+        out[f"{name}_seconds"] = statistics.median(samples)
+    out["bytes"] = int(batch.nbytes)
+    return out
+
+
+def measured_copy_bandwidth() -> float | None:
+    """Device-to-device copy bandwidth (read + written bytes per second), 2 GiB."""
+    try:
+        import cupy as cp
+    except ImportError:
+        return None
+    a = cp.ones(1 << 28, dtype=cp.float64)
+    b = cp.empty_like(a)
+    b[...] = a
+    cp.cuda.Device().synchronize()
+    start, stop = cp.cuda.Event(), cp.cuda.Event()
+    times = []
+    for _ in range(5):
+        start.record()
+        b[...] = a
+        stop.record()
+        stop.synchronize()
+        times.append(cp.cuda.get_elapsed_time(start, stop) / 1e3)
+    del a, b
+    cp.get_default_memory_pool().free_all_blocks()
+    return 2 * 8 * (1 << 28) / min(times)
+
+
+# -- main ---------------------------------------------------------------------------------------
+
+
+def sweep(args: argparse.Namespace) -> dict[str, Any]:
+    gpu_runner = Runner(args.repeats, warmup=1, budget=None)
+    cpu_runner = Runner(args.repeats, warmup=args.cpu_warmup, budget=args.cpu_budget)
+    engines = set(args.engines)
+    bandwidth = measured_copy_bandwidth() if "rh_gpu_device" in engines else None
+    cases = []
+    for shape in args.shapes:
+        rows, features, batch_rows = SHAPES[shape]
+        for dtype in args.dtypes:
+            batches, digest = make_stream(shape, dtype)
+            copies = copy_timings(batches[0][0]) if "rh_gpu_host" in engines else None
+            for penalty in args.penalties:
+                config = HuberConfig(penalty=penalty, dtype=dtype)
+                case: dict[str, Any] = {
+                    "shape": shape,
+                    "rows": rows,
+                    "features": features,
+                    "batch_rows": batch_rows,
+                    "batches": len(batches),
+                    "dtype": dtype,
+                    "penalty": penalty,
+                    "dataset_sha256": digest,
+                    "h2d_copy_first_batch": copies,
+                    "results": {},
+                }
+                res = case["results"]
+
+                def record(name, lifecycle, fn, *fn_args, res=res):
+                    if name not in engines:
+                        return
+                    try:
+                        out = fn(*fn_args)
+                    except Exception as exc:  # an opponent that fails is recorded, not fatal
+                        out = {"error": f"{type(exc).__name__}: {exc}"}
+                    res.setdefault(name, {})[lifecycle] = out
+
+                common = (config, batches)
+                for name, mode in (
+                    ("rh_gpu_device", "device"),
+                    ("rh_gpu_eager", "eager"),
+                    ("rh_gpu_host", "host"),
+                    ("rh_gpu_host_serial", "serial"),
+                    ("rh_gpu_pinned", "pinned"),
+                    ("rh_gpu_cusolver", "cusolver"),
+                    ("rh_gpu_kernel", "kernel"),
+                ):
+                    if mode in ("cusolver", "kernel") and config.penalised:
+                        continue  # the Cholesky path only matters to Newton
+                    record(name, "steady", rh_gpu_steady, *common, gpu_runner, mode)
+                if args.cold:
+                    to_device = _device_input_converter()
+                    record(
+                        "rh_gpu_device",
+                        "cold",
+                        rh_estimator_cold,
+                        *common,
+                        gpu_runner,
+                        "gpu",
+                        to_device,
+                    )
+                    record("rh_gpu_host", "cold", rh_estimator_cold, *common, gpu_runner, "gpu")
+                record("rh_numpy", "steady", rh_numpy_steady, *common, cpu_runner)
+                if args.cold and not args.quick:
+                    record("rh_numpy", "cold", rh_estimator_cold, *common, cpu_runner, "numpy")
+                record("rh_numpy_opp", "steady", opponent, *common, cpu_runner, "numpy", "steady")
+                record(
+                    "rh_cupy_opp_device",
+                    "steady",
+                    opponent,
+                    *common,
+                    cpu_runner,
+                    "cupy",
+                    "steady",
+                    True,
+                )
+                record(
+                    "rh_cupy_opp_host", "steady", opponent, *common, cpu_runner, "cupy", "steady"
+                )
+                if args.cold:
+                    record(
+                        "rh_cupy_opp_device",
+                        "cold",
+                        opponent,
+                        *common,
+                        cpu_runner,
+                        "cupy",
+                        "cold",
+                        True,
+                    )
+                case["derived"] = derive(case, bandwidth)
+                cases.append(case)
+                print(one_line(case), flush=True)
+                if args.output:  # a partial file survives a run cut short
+                    write_json(args.output, _payload(args, bandwidth, cases, complete=False))
+    return _payload(args, bandwidth, cases, complete=True)
+
+
+def _payload(args, bandwidth, cases, complete):
+    return {
+        "schema": SCHEMA,
+        "complete": complete,
+        "environment": environment(),
+        "settings": {
+            "quick": args.quick,
+            "repeats": args.repeats,
+            "cpu_budget_seconds": args.cpu_budget,
+            "cpu_warmup_runs": args.cpu_warmup,
+            "gpu_warmup_runs": 1,
+            "cold_lifecycle": args.cold,
+            "copy_bandwidth_bytes_per_second": bandwidth,
+            "copy_bandwidth_assumed": COPY_BANDWIDTH,
+            "native_cuda_reference_ms": {f"{s}/{d}": v for (s, d), v in NATIVE_CUDA_MS.items()},
+        },
+        "cases": cases,
+    }
+
+
+def _device_input_converter():
+    try:
+        import cupy as cp
+    except ImportError:
+        return None
+    return lambda X, y: (cp.asarray(X), cp.asarray(y))
+
+
+def _median(case: dict[str, Any], name: str, lifecycle: str = "steady") -> float | None:
+    entry = case["results"].get(name, {}).get(lifecycle)
+    if not entry or "median" not in entry:
+        return None
+    return float(entry["median"])
+
+
+def derive(case: dict[str, Any], bandwidth: float | None) -> dict[str, Any]:
+    """Ratios, per-batch times, per-iteration roofline fraction and the issue's targets."""
+    out: dict[str, Any] = {}
+    dev = _median(case, "rh_gpu_device")
+    nb = case["batches"]
+    if dev is None:
+        return out
+    out["rh_gpu_device_ms_per_stream"] = dev * 1e3
+    out["rh_gpu_device_ms_per_batch"] = dev * 1e3 / nb
+    for opp in ("rh_cupy_opp_device", "rh_cupy_opp_host", "rh_numpy_opp", "rh_numpy"):
+        other = _median(case, opp)
+        if other is not None:
+            out[f"speedup_vs_{opp}"] = other / dev
+    entry = case["results"]["rh_gpu_device"]["steady"]
+    its = sum(entry.get("iterations_per_batch") or [0])
+    if its:
+        item = np.dtype(case["dtype"]).itemsize
+        p = case["features"] + 1
+        # one pass over Z (all batches' rows) per iteration, at the copy roofline
+        pass_bytes = case["rows"] * p * item
+        bw = bandwidth or COPY_BANDWIDTH
+        per_iter = dev / its
+        out["iterations_total"] = its
+        out["us_per_iteration"] = per_iter * 1e6
+        out["pass_over_Z_us_at_roofline"] = pass_bytes / nb / bw * 1e6
+        out["roofline_fraction_per_iteration"] = (pass_bytes / nb / bw) / per_iter
+    native = NATIVE_CUDA_MS.get((case["shape"], case["dtype"]))
+    if native is not None and case["penalty"] == "none":
+        out["native_cuda_ms"] = native
+        out["speedup_vs_native_cuda"] = native / (dev * 1e3)
+    host = _median(case, "rh_gpu_host")
+    copies = case.get("h2d_copy_first_batch")
+    if host is not None and copies:
+        copy_stream = copies["pageable_seconds"] * nb
+        bound = max(dev, copy_stream)
+        out["host_over_max_device_copy"] = host / bound
+        out["host_target_met"] = host <= 1.15 * bound
+    pinned = _median(case, "rh_gpu_pinned")
+    if pinned is not None:
+        out["pinned_over_device"] = pinned / dev
+        out["pinned_target_met"] = pinned <= 1.25 * dev
+    eager = _median(case, "rh_gpu_eager")
+    if eager is not None:
+        out["graph_speedup"] = eager / dev
+    cus, ker = _median(case, "rh_gpu_cusolver"), _median(case, "rh_gpu_kernel")
+    if cus is not None and ker is not None:
+        out["fused_cholesky_speedup_over_cusolver"] = cus / ker
+    return out
+
+
+def one_line(case: dict[str, Any]) -> str:
+    parts = [f"{case['shape']:9s} {case['dtype']} {case['penalty']:4s}"]
+    for name in (
+        "rh_gpu_device",
+        "rh_gpu_eager",
+        "rh_gpu_cusolver",
+        "rh_gpu_host",
+        "rh_gpu_pinned",
+        "rh_numpy",
+        "rh_numpy_opp",
+        "rh_cupy_opp_device",
+    ):
+        m = _median(case, name)
+        if m is not None:
+            parts.append(f"{name}={m * 1e3:.2f}ms")
+        elif name in case["results"]:
+            parts.append(f"{name}=ERR")
+    return " ".join(parts)
+
+
+def markdown(payload: dict[str, Any]) -> str:
+    """The docs/performance.md table: ms per stream (per batch), ratios, roofline."""
+    env = payload["environment"]
+    gpu = env.get("gpu") or {}
+    lines = [
+        f"Machine: {gpu.get('name', 'no GPU')} (driver {gpu.get('driver_version')}, "
+        f"CUDA runtime {gpu.get('runtime_version')}, CuPy {gpu.get('cupy_version')}), "
+        f"CPU {env.get('cpu')} × {env.get('cpu_count')}; schema {payload['schema']}.",
+        "",
+        "| shape | dtype | penalty | GPU device ms/stream (ms/batch) | GPU host | GPU pinned "
+        "| rh NumPy | opp NumPy | opp CuPy dev | opp CuPy host | × opp CuPy dev | × opp NumPy "
+        "| × native CUDA | µs/iter | roofline/iter |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+
+    def ms(case, name):
+        m = _median(case, name)
+        return "—" if m is None else f"{m * 1e3:.2f}"
+
+    for case in payload["cases"]:
+        d = case.get("derived", {})
+        dev = d.get("rh_gpu_device_ms_per_stream")
+        dev_s = "—" if dev is None else f"{dev:.2f} ({d['rh_gpu_device_ms_per_batch']:.3f})"
+
+        def ratio(key, d=d):
+            v = d.get(key)
+            return "—" if v is None else f"{v:.1f}"
+
+        roof = d.get("roofline_fraction_per_iteration")
+        lines.append(
+            f"| {case['shape']} | {case['dtype']} | {case['penalty']} | {dev_s} "
+            f"| {ms(case, 'rh_gpu_host')} | {ms(case, 'rh_gpu_pinned')} "
+            f"| {ms(case, 'rh_numpy')} | {ms(case, 'rh_numpy_opp')} "
+            f"| {ms(case, 'rh_cupy_opp_device')} | {ms(case, 'rh_cupy_opp_host')} "
+            f"| {ratio('speedup_vs_rh_cupy_opp_device')} | {ratio('speedup_vs_rh_numpy_opp')} "
+            f"| {ratio('speedup_vs_native_cuda')} "
+            f"| {d.get('us_per_iteration', float('nan')):.0f} "
+            f"| {'—' if roof is None else f'{roof:.1%}'} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+ALL_ENGINES = (
+    "rh_gpu_device",
+    "rh_gpu_eager",
+    "rh_gpu_cusolver",
+    "rh_gpu_kernel",
+    "rh_gpu_host",
+    "rh_gpu_host_serial",
+    "rh_gpu_pinned",
+    "rh_numpy",
+    "rh_numpy_opp",
+    "rh_cupy_opp_device",
+    "rh_cupy_opp_host",
+)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
+    parser.add_argument("--dtypes", nargs="+", default=["float32", "float64"])
+    parser.add_argument("--penalties", nargs="+", default=["none", "l1"])
+    parser.add_argument("--engines", nargs="+", default=list(ALL_ENGINES), choices=ALL_ENGINES)
+    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--cpu-budget", type=float, default=20.0, help="seconds per CPU case")
+    parser.add_argument("--cpu-warmup", type=int, default=1)
+    parser.add_argument("--no-cold", dest="cold", action="store_false")
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="fit a short device lease: 5 repeats, CPU engines 1 warm-up and a 4 s budget",
+    )
+    parser.add_argument("--output", default="benchmarks/results/shape_sweep.json")
+    parser.add_argument("--markdown", metavar="JSON", help="print the table of a result file")
+    args = parser.parse_args(argv)
+    if args.markdown:
+        print(markdown(json.loads(Path(args.markdown).read_text())))
+        return 0
+    if args.quick:
+        args.repeats = min(args.repeats, 5)
+        args.cpu_budget = min(args.cpu_budget, 4.0)
+    payload = sweep(args)
+    write_json(args.output, payload)
+    print(markdown(payload))
+    print(f"wrote {args.output}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

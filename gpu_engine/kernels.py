@@ -1,0 +1,128 @@
+"""Compilation and caching of the engine's CUDA kernels.
+
+The kernels live in ``gpu_engine/kernels/huber.cu`` as templates over the
+compute dtype; they are compiled once per (device, dtype) per process by NVRTC
+through :class:`cupy.RawModule` (CuPy also caches the binary on disk), with
+the control-block layout of :mod:`gpu_engine.layout` prepended as defines.
+No fast-math option is passed: float32 and float64 arithmetic stay IEEE.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import numpy as np
+
+from . import layout
+
+SOURCE = Path(__file__).with_name("kernels") / "huber.cu"
+
+KERNEL_NAMES: tuple[str, ...] = (
+    "rh_build",
+    "rh_newton_eval",
+    "rh_newton_assemble",
+    "rh_newton_solve",
+    "rh_newton_search",
+    "rh_commit_eval",
+    "rh_commit_finish",
+    "rh_lamm_eval",
+    "rh_lamm_trials",
+    "rh_predict",
+)
+
+_LOCK = threading.Lock()
+_CACHE: dict[tuple[int, str], Kernels] = {}
+
+
+class Kernels:
+    """The compiled kernels of one (device, dtype), as ``cupy.RawKernel`` attributes."""
+
+    def __init__(self, cp: ModuleType, device_id: int, dtype: np.dtype) -> None:
+        ctype = {np.dtype(np.float32): "float", np.dtype(np.float64): "double"}[np.dtype(dtype)]
+        code = layout.cuda_defines() + SOURCE.read_text()
+        expressions = [f"{name}<{ctype}>" for name in KERNEL_NAMES]
+        with cp.cuda.Device(device_id):
+            self.module = cp.RawModule(
+                code=code, options=("--std=c++17",), name_expressions=expressions
+            )
+            self.functions: dict[str, Any] = {
+                name: self.module.get_function(expr)
+                for name, expr in zip(KERNEL_NAMES, expressions, strict=True)
+            }
+            for function in self.functions.values():
+                _ = function.kernel  # load now: never inside a graph capture
+            attr = cp.cuda.runtime.cudaDevAttrMaxSharedMemoryPerBlockOptin
+            self.max_shared = int(cp.cuda.runtime.deviceGetAttribute(attr, device_id))
+            attr = cp.cuda.runtime.cudaDevAttrMultiProcessorCount
+            self.multiprocessors = int(cp.cuda.runtime.deviceGetAttribute(attr, device_id))
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return self.__dict__["functions"][name]
+        except KeyError:
+            raise AttributeError(name) from None
+
+    def allow_shared(self, name: str, nbytes: int) -> None:
+        """Raise a kernel's dynamic shared-memory limit when a launch needs > 48 KiB."""
+        if nbytes > 48 * 1024:
+            kernel = self.functions[name]
+            if kernel.max_dynamic_shared_size_bytes < nbytes:
+                kernel.max_dynamic_shared_size_bytes = nbytes
+
+
+def get_kernels(cp: ModuleType, device_id: int, dtype: np.dtype) -> Kernels:
+    """The process-wide compiled kernels of ``(device_id, dtype)``."""
+    key = (device_id, np.dtype(dtype).name)
+    with _LOCK:
+        kernels = _CACHE.get(key)
+        if kernels is None:
+            kernels = Kernels(cp, device_id, dtype)
+            _CACHE[key] = kernels
+        return kernels
+
+
+class Launch:
+    """One kernel launch with its parameters packed once.
+
+    CuPy's ``RawKernel.__call__`` inspects and converts every argument on
+    every call (several microseconds for a dozen arguments); the iteration
+    kernels are launched with the same arguments thousands of times, so they
+    are packed into a ctypes parameter block once and launched through
+    ``cuLaunchKernel`` directly. Every parameter of these kernels is 8 bytes
+    (a pointer or a ``long long``).
+
+    Parameters
+    ----------
+    cp : module
+        CuPy.
+    kernel : cupy.RawKernel
+        The kernel (its device's context must be current).
+    grid, block : int
+        One-dimensional launch shape.
+    args : sequence
+        CuPy arrays (passed as device pointers) and Python ints.
+    shared_mem : int
+        Dynamic shared memory in bytes.
+    """
+
+    __slots__ = ("_block", "_fptr", "_grid", "_launch", "_params", "_ptrs", "_shared", "_values")
+
+    def __init__(
+        self, cp: ModuleType, kernel: Any, grid: int, block: int, args: Any, shared_mem: int = 0
+    ) -> None:
+        values = [int(a.data.ptr) if hasattr(a, "data") else int(a) for a in args]
+        self._values = (ctypes.c_int64 * len(values))(*values)
+        base = ctypes.addressof(self._values)
+        self._ptrs = (ctypes.c_void_p * len(values))(*[base + 8 * i for i in range(len(values))])
+        self._params = ctypes.addressof(self._ptrs)
+        self._fptr = int(kernel.kernel.ptr)
+        self._launch = cp.cuda.driver.launchKernel
+        self._grid, self._block, self._shared = int(grid), int(block), int(shared_mem)
+
+    def __call__(self, stream_ptr: int) -> None:
+        g, b = self._grid, self._block
+        self._launch(self._fptr, g, 1, 1, b, 1, 1, self._shared, stream_ptr, self._params, 0)

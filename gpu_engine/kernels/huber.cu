@@ -1,0 +1,983 @@
+// Kernels of the rh-dask GPU engine (compiled at run time by NVRTC through
+// cupy.RawModule; gpu_engine/kernels.py prepends the RH_* layout constants
+// from gpu_engine/layout.py and instantiates every template for float and
+// double).
+//
+// Conventions
+// * Row kernels give one warp one row at a time (lanes stride the columns,
+//   so loads are coalesced) and walk the rows grid-stride; the grid size is a
+//   function of the row count and the device only, so every reduction below
+//   adds the same numbers in the same order on every run: results are
+//   bit-reproducible. No floating-point atomics anywhere; the only atomic is
+//   the integer "last block" ticket.
+// * Grid reductions: every block writes its partial sums, the block that
+//   arrives last (integer ticket) adds the partials in block order and then
+//   *finalises* the iteration on the device (line-search decision, β update,
+//   convergence test) so that the host reads one small status buffer per
+//   iteration instead of driving each decision with its own round trip.
+// * Per-element arithmetic follows the NumPy reference operation by
+//   operation, in the compute dtype T; scalar reductions accumulate in double.
+
+#define FULL_MASK 0xffffffffu
+#define MAX_WARPS (RH_ROW_THREADS / 32)
+
+namespace {
+
+template <typename T>
+__device__ __forceinline__ T clip(T x, T lo, T hi) {
+  // numpy.clip(x, lo, hi) == minimum(maximum(x, lo), hi)
+  const T m = x < lo ? lo : x;
+  return m > hi ? hi : m;
+}
+
+template <typename T>
+__device__ __forceinline__ T sign_of(T x) {
+  return x > T(0) ? T(1) : (x < T(0) ? T(-1) : T(0));
+}
+
+// Products whose rounding must match NumPy's separate multiply (no FMA
+// contraction into a following add).
+__device__ __forceinline__ float mul_rn(float a, float b) { return __fmul_rn(a, b); }
+__device__ __forceinline__ double mul_rn(double a, double b) { return __dmul_rn(a, b); }
+
+// |x| and finiteness without relying on NVRTC's overload set.
+__device__ __forceinline__ float absv(float x) { return fabsf(x); }
+__device__ __forceinline__ double absv(double x) { return fabs(x); }
+__device__ __forceinline__ float sqrtv(float x) { return sqrtf(x); }
+__device__ __forceinline__ double sqrtv(double x) { return sqrt(x); }
+__device__ __forceinline__ bool finite_v(float x) { return fabsf(x) <= 3.402823466e38f; }
+__device__ __forceinline__ bool finite_v(double x) { return fabs(x) <= 1.7976931348623157e308; }
+
+__device__ __forceinline__ double warp_sum(double v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(FULL_MASK, v, o);
+  return v;  // the xor butterfly leaves the same value in every lane
+}
+
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(FULL_MASK, v, o);
+  return v;
+}
+
+__device__ __forceinline__ int* ctl_ints(double* ctl) {
+  return reinterpret_cast<int*>(ctl + RH_N_DOUBLE);
+}
+
+// Copy the control block into the host-mapped status buffer (one block).
+__device__ void mirror_status(const double* ctl, double* status) {
+  __syncthreads();
+  const int n = RH_N_DOUBLE + RH_N_INT / 2;
+  for (int i = threadIdx.x; i < n; i += blockDim.x) status[i] = ctl[i];
+  __threadfence_system();
+}
+
+// Last-block election: every block calls it after writing its partials.
+__device__ bool arrive_last(unsigned int* ticket) {
+  __shared__ unsigned int s_last;
+  __threadfence();
+  __syncthreads();
+  if (threadIdx.x == 0) s_last = (atomicAdd(ticket, 1u) == gridDim.x - 1) ? 1u : 0u;
+  __syncthreads();
+  if (s_last) __threadfence();
+  return s_last != 0u;
+}
+
+// Each thread holds one value of component `lane` (0..31). Blocks reduce in
+// warp order, the last block adds the block partials in block order; there it
+// returns true and red[MAX_WARPS * 32 + k] holds the grid total of component k.
+// `red` must hold (MAX_WARPS + 1) * 32 doubles.
+__device__ bool lane_grid_reduce(double v, double* partials, unsigned int* ticket,
+                                 double* red) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
+  red[warp * 32 + lane] = v;
+  __syncthreads();
+  if (warp == 0) {
+    double s = 0.0;
+    for (int w = 0; w < nwarps; ++w) s += red[w * 32 + lane];
+    partials[(size_t)blockIdx.x * 32 + lane] = s;
+  }
+  if (!arrive_last(ticket)) return false;
+  double s = 0.0;
+  for (unsigned int b = warp; b < gridDim.x; b += nwarps)
+    s += __ldcg(partials + (size_t)b * 32 + lane);
+  red[warp * 32 + lane] = s;
+  __syncthreads();
+  if (warp == 0) {
+    double t = 0.0;
+    for (int w = 0; w < nwarps; ++w) t += red[w * 32 + lane];
+    red[MAX_WARPS * 32 + lane] = t;
+  }
+  if (threadIdx.x == 0) *ticket = 0u;  // ready for the next kernel
+  __syncthreads();
+  return true;
+}
+
+// Sum K values over one block; every thread gets the totals (same order, same
+// bits). `red` must hold MAX_WARPS * K doubles.
+template <int K>
+__device__ void block_sum(double (&v)[K], double* red) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
+#pragma unroll
+  for (int k = 0; k < K; ++k) v[k] = warp_sum(v[k]);
+  __syncthreads();
+  if (lane == 0) {
+#pragma unroll
+    for (int k = 0; k < K; ++k) red[warp * K + k] = v[k];
+  }
+  __syncthreads();
+#pragma unroll
+  for (int k = 0; k < K; ++k) {
+    double s = 0.0;
+    for (int w = 0; w < nwarps; ++w) s += red[w * K + k];
+    v[k] = s;
+  }
+  __syncthreads();
+}
+
+template <typename T>
+__device__ __forceinline__ T row_dot(const T* __restrict__ z, const T* __restrict__ v,
+                                     long long p, int lane) {
+  T acc = T(0);
+#pragma unroll 4
+  for (long long j = lane; j < p; j += 32) acc += z[j] * v[j];
+  return warp_sum(acc);
+}
+
+// y_a = Σ_b J[b·p + a] v(b, k) for a < p and k < K, by the whole block (J is
+// symmetric, so reading it by columns keeps the loads coalesced). Slices of b
+// are summed in parallel, then the slices in order; `sink(a, k, y)` is called
+// once per (a, k) by one thread. `scratch` holds `cap` doubles.
+template <int K, typename T, typename V, typename S>
+__device__ void block_symv(const T* __restrict__ J, int p, V v, S sink, double* scratch,
+                           int cap) {
+  int slices = (int)blockDim.x / p;
+  if (slices * K * p > cap) slices = cap / (K * p);
+  slices = slices < 1 ? 1 : (slices > 32 ? 32 : slices);
+  const int t = threadIdx.x;
+  if (slices == 1) {
+    for (int a = t; a < p; a += blockDim.x) {
+      double acc[K];
+#pragma unroll
+      for (int k = 0; k < K; ++k) acc[k] = 0.0;
+#pragma unroll 8
+      for (int b = 0; b < p; ++b) {
+        const double jab = (double)J[b * p + a];
+#pragma unroll
+        for (int k = 0; k < K; ++k) acc[k] += jab * v(b, k);
+      }
+#pragma unroll
+      for (int k = 0; k < K; ++k) sink(a, k, acc[k]);
+    }
+    __syncthreads();
+    return;
+  }
+  if (t < slices * p) {
+    const int sl = t / p, a = t % p;
+    double acc[K];
+#pragma unroll
+    for (int k = 0; k < K; ++k) acc[k] = 0.0;
+#pragma unroll 4
+    for (int b = sl; b < p; b += slices) {
+      const double jab = (double)J[b * p + a];
+#pragma unroll
+      for (int k = 0; k < K; ++k) acc[k] += jab * v(b, k);
+    }
+#pragma unroll
+    for (int k = 0; k < K; ++k) scratch[k * slices * p + t] = acc[k];
+  }
+  __syncthreads();
+  for (int a = t; a < p; a += blockDim.x) {
+#pragma unroll
+    for (int k = 0; k < K; ++k) {
+      double s = 0.0;
+      for (int sl = 0; sl < slices; ++sl) s += scratch[k * slices * p + sl * p + a];
+      sink(a, k, s);
+    }
+  }
+  __syncthreads();
+}
+
+// Dot products of R rows (i0, i0 + stride, ...) with v, loads interleaved so
+// that a warp keeps R rows of loads in flight. Each row is summed in the same
+// order as a one-row dot, so results do not depend on R.
+template <int R, typename T>
+__device__ __forceinline__ void rows_dot(const T* __restrict__ Z, long long ldz, long long i0,
+                                         long long stride, long long n,
+                                         const T* __restrict__ v, long long p, int lane,
+                                         T (&out)[R]) {
+  T acc[R];
+#pragma unroll
+  for (int r = 0; r < R; ++r) acc[r] = T(0);
+  for (long long j = lane; j < p; j += 32) {
+    const T vj = v[j];
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+      const long long i = i0 + r * stride;
+      if (i < n) acc[r] += Z[i * ldz + j] * vj;
+    }
+  }
+#pragma unroll
+  for (int r = 0; r < R; ++r) out[r] = warp_sum(acc[r]);
+}
+
+
+__device__ __forceinline__ double mask_of(long long a, long long p, const double* ctl) {
+  return (ctl[RH_P_FIT_INTERCEPT] != 0.0 && a == p - 1) ? 0.0 : 1.0;
+}
+
+}  // namespace
+
+// ---------------------------------------------------------------------------
+// Design matrix: Z = [X, 1, 0-padding] (row stride ldz), y and w copied into
+// the workspace, and the batch validated in the same pass (non-finite X/y,
+// negative or non-finite weights, Σw).
+// ---------------------------------------------------------------------------
+template <typename T>
+__global__ void __launch_bounds__(RH_ROW_THREADS)
+rh_build(const T* __restrict__ X, long long ldx, const T* __restrict__ y,
+         const T* __restrict__ w, long long n, long long d, long long p, long long ldz,
+         T* __restrict__ Z, T* __restrict__ yz, T* __restrict__ wz,
+         double* __restrict__ partials, double* __restrict__ ctl, double* status) {
+  __shared__ double red[(MAX_WARPS + 1) * 32];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const long long nw = (long long)gridDim.x * (blockDim.x >> 5);
+  double bad_x = 0.0, bad_w = 0.0, wsum = 0.0;
+  for (long long i = (long long)blockIdx.x * (blockDim.x >> 5) + warp; i < n; i += nw) {
+    const T* xr = X + i * ldx;
+    T* zr = Z + i * ldz;
+    for (long long j = lane; j < ldz; j += 32) {
+      T v;
+      if (j < d) {
+        v = xr[j];
+        if (!finite_v(v)) bad_x = 1.0;
+      } else {
+        v = (j < p) ? T(1) : T(0);
+      }
+      zr[j] = v;
+    }
+    if (lane == 0) {
+      const T yi = y[i];
+      if (!finite_v(yi)) bad_x = 1.0;
+      yz[i] = yi;
+      const T wi = (w != nullptr) ? w[i] : T(1);
+      if (!(finite_v(wi) && wi >= T(0))) bad_w = 1.0;
+      wz[i] = wi;
+      wsum += (double)wi;
+    }
+  }
+  bad_x = warp_sum(bad_x);
+  bad_w = warp_sum(bad_w);
+  wsum = warp_sum(wsum);
+  const double mine = lane == 0 ? bad_x : (lane == 1 ? bad_w : (lane == 2 ? wsum : 0.0));
+  int* ci = ctl_ints(ctl);
+  if (!lane_grid_reduce(mine, partials, reinterpret_cast<unsigned int*>(ci + RH_I_TICKET), red))
+    return;
+  if (threadIdx.x == 0) {
+    int flags = ci[RH_I_INVALID];
+    if (red[MAX_WARPS * 32 + 0] > 0.0) flags |= 1;
+    if (red[MAX_WARPS * 32 + 1] > 0.0) flags |= 2;
+    ci[RH_I_INVALID] = flags;
+    ctl[RH_S_WSUM] = red[MAX_WARPS * 32 + 2];
+  }
+  mirror_status(ctl, status);
+}
+
+// ---------------------------------------------------------------------------
+// Newton, step 1: r = y − Zβ, ψ, κ and the right factor of the fused Gram +
+// gradient product, M = [w κ(r) ⊙ Z | w ψ(r)] (row stride ldm).
+// ---------------------------------------------------------------------------
+template <typename T>
+__global__ void __launch_bounds__(RH_ROW_THREADS)
+rh_newton_eval(const T* __restrict__ Z, long long ldz, long long n, long long p,
+               const T* __restrict__ y, const T* __restrict__ w,
+               const T* __restrict__ beta, double* __restrict__ ctl,
+               T* __restrict__ r, T* __restrict__ M, long long ldm,
+               double* __restrict__ partials) {
+  extern __shared__ double smem_d[];
+  __shared__ double red[(MAX_WARPS + 1) * 32];
+  T* sb = reinterpret_cast<T*>(smem_d);
+  for (long long j = threadIdx.x; j < p; j += blockDim.x) sb[j] = beta[j];
+  __syncthreads();
+  const T tau = (T)ctl[RH_P_TAU], hih = (T)ctl[RH_P_HALF_INV_H];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const long long nw = (long long)gridDim.x * (blockDim.x >> 5);
+  double loss = 0.0;
+  for (long long i0 = (long long)blockIdx.x * (blockDim.x >> 5) + warp; i0 < n; i0 += RH_ROWS * nw) {
+    T dots[RH_ROWS];
+    rows_dot<RH_ROWS>(Z, ldz, i0, nw, n, sb, p, lane, dots);
+#pragma unroll
+    for (int rr = 0; rr < RH_ROWS; ++rr) {
+      const long long i = i0 + rr * nw;
+      if (i >= n) break;
+      const T* zr = Z + i * ldz;
+      const T ri = y[i] - dots[rr];
+      const T psi = clip(ri, -tau, tau);
+      T k = tau - absv(ri);
+      k = mul_rn(k, hih) + T(0.5);
+      k = clip(k, T(0), T(1));
+      const T wi = w[i];
+      const T c = k * wi;
+      T* mr = M + i * ldm;
+      for (long long j = lane; j < p; j += 32) mr[j] = c * zr[j];
+      if (lane == 0) {
+        mr[p] = wi * psi;
+        r[i] = ri;
+        const T rho = (ri - psi * T(0.5)) * psi;
+        loss += (double)(wi * rho);
+      }
+    }
+  }
+  // Σ w ρ(r): the objective diagnostic if this iterate is the batch's last.
+  int* ci = ctl_ints(ctl);
+  if (!lane_grid_reduce(lane == 0 ? loss : 0.0, partials,
+                        reinterpret_cast<unsigned int*>(ci + RH_I_TICKET), red))
+    return;
+  if (threadIdx.x == 0) ctl[RH_S_LOSS] = red[MAX_WARPS * 32];
+}
+
+// ---------------------------------------------------------------------------
+// Newton, step 2 (one block): from C = Zᵀ[M] (p × (p+1), column-major) build
+// H = (sym(C) + J)/N + ridge·I (twice: one copy is factorised in place) and
+// g = (JΔ − Zᵀwψ)/N − hist·s; D starts as g (potrs solves in place).
+// ---------------------------------------------------------------------------
+template <typename T>
+__global__ void __launch_bounds__(RH_SMALL_THREADS)
+rh_newton_assemble(const T* __restrict__ C, const T* __restrict__ J,
+                   const T* __restrict__ beta, const T* __restrict__ beta0, long long p,
+                   const double* __restrict__ ctl, T* __restrict__ H, T* __restrict__ Hs,
+                   T* __restrict__ g, T* __restrict__ D) {
+  const T inv = (T)ctl[RH_P_INV_TOTAL], ridge = (T)ctl[RH_P_RIDGE], hist = (T)ctl[RH_P_HIST];
+  const bool has_hist = ctl[RH_P_HAS_HIST] != 0.0;
+  const long long pp = p * p;
+  const int q = (int)p;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
+  for (int b = warp; b < q; b += nwarps)
+  for (int a = lane; a < q; a += 32) {
+    const int idx = a + b * q;
+    const int hi = a > b ? a : b, lo = a > b ? b : a;
+    // GEMM rounds C[a,b] and C[b,a] differently: take the lower triangle so
+    // that H is exactly symmetric, like the reference's SYRK.
+    T h = C[hi + lo * q] + J[idx];
+    h = h * inv;
+    if (a == b) h = h + ridge;
+    H[idx] = h;
+    Hs[idx] = h;
+  }
+  __shared__ double scratch[RH_SMALL_THREADS];
+  block_symv<1>(
+      J, q, [&](int b, int) { return (double)(beta[b] - beta0[b]); },
+      [&](int a, int, double jd) {
+        T ga = (T)jd - C[a + pp];
+        ga = ga * inv;
+        if (has_hist) ga = ga - mul_rn(hist, (T)(sign_of(beta0[a]) * (T)mask_of(a, p, ctl)));
+        g[a] = ga;
+        D[a] = ga;
+      },
+      scratch, RH_SMALL_THREADS);
+}
+
+// ---------------------------------------------------------------------------
+// Newton, step 2 for small systems (one block, everything in shared memory):
+// the assembly of rh_newton_assemble, the Cholesky factorisation H = L Lᵀ
+// (right-looking, two barriers per column) and the two triangular solves
+// (one warp, no block barriers). Replaces assemble + cuSOLVER potrf/potrs,
+// whose launch chain costs several times more than the arithmetic at these
+// sizes. Writes the same outputs: L (lower, column-major) in H, the
+// assembled matrix in Hs, g, D and the potrf-style info (k+1 for the first
+// non-positive pivot), so that rh_newton_search applies the same tests.
+// Dynamic shared memory: (p·p + 2p) values of T.
+// ---------------------------------------------------------------------------
+template <typename T>
+__global__ void __launch_bounds__(RH_SMALL_THREADS)
+rh_newton_solve(const T* __restrict__ C, const T* __restrict__ J,
+                const T* __restrict__ beta, const T* __restrict__ beta0, long long p,
+                double* __restrict__ ctl, T* __restrict__ H, T* __restrict__ Hs,
+                T* __restrict__ g, T* __restrict__ D) {
+  extern __shared__ double smem_d[];
+  T* A = reinterpret_cast<T*>(smem_d);  // p×p, column-major
+  T* vec = A + p * p;                   // right-hand side, then solution
+  T* lcol = vec + p;                    // the diagonal of L
+  __shared__ int s_fail;
+  const T inv = (T)ctl[RH_P_INV_TOTAL], ridge = (T)ctl[RH_P_RIDGE], hist = (T)ctl[RH_P_HIST];
+  const bool has_hist = ctl[RH_P_HAS_HIST] != 0.0;
+  // 32-bit indices: p-space loops must not pay for 64-bit division.
+  const int q = (int)p, qq = q * q;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
+  for (int b = warp; b < q; b += nwarps) {
+    for (int a = lane; a < q; a += 32) {
+      const int idx = a + b * q;
+      const int hi = a > b ? a : b, lo = a > b ? b : a;
+      T h = C[hi + lo * q] + J[idx];
+      h = h * inv;
+      if (a == b) h = h + ridge;
+      A[idx] = h;
+      Hs[idx] = h;
+    }
+  }
+  __shared__ double scratch[RH_SMALL_THREADS];
+  block_symv<1>(
+      J, q, [&](int b, int) { return (double)(beta[b] - beta0[b]); },
+      [&](int a, int, double jd) {
+        T ga = (T)jd - C[a + qq];
+        ga = ga * inv;
+        if (has_hist) ga = ga - mul_rn(hist, (T)(sign_of(beta0[a]) * (T)mask_of(a, p, ctl)));
+        g[a] = ga;
+        vec[a] = ga;
+      },
+      scratch, RH_SMALL_THREADS);
+  if (threadIdx.x == 0) s_fail = 0;
+  __syncthreads();
+  // Right-looking Cholesky with lane-owned rows: lane l of every warp owns
+  // rows l, l + 32, ... (in registers), warp w updates columns j ≡ w. Column
+  // k is left unscaled until the end (L[i][k] = A[i][k] / diag[k], the same
+  // division LAPACK makes), so one barrier per column suffices.
+  for (int k = 0; k < q; ++k) {
+    const T d = A[k + k * q];
+    if (!(d > T(0))) {  // every thread reads the same pivot: a uniform exit
+      if (threadIdx.x == 0) s_fail = k + 1;
+      break;
+    }
+    const T lkk = sqrtv(d);
+    T lr[RH_SOLVE_ROWS];
+#pragma unroll
+    for (int m = 0; m < RH_SOLVE_ROWS; ++m) {
+      const int i = lane + 32 * m;
+      lr[m] = (i > k && i < q) ? A[i + k * q] / lkk : T(0);
+    }
+    for (int j = k + 1 + warp; j < q; j += nwarps) {
+      const T ljk = A[j + k * q] / lkk;
+      T* col = A + j * q;
+#pragma unroll
+      for (int m = 0; m < RH_SOLVE_ROWS; ++m) {
+        const int i = lane + 32 * m;
+        if (i >= j && i < q) col[i] -= lr[m] * ljk;
+      }
+    }
+    if (threadIdx.x == 0) lcol[k] = lkk;
+    __syncthreads();
+  }
+  __syncthreads();
+  const int fail = s_fail;
+  if (fail == 0) {
+    for (int b = warp; b < q; b += nwarps) {  // scale the columns: A becomes L
+      const T lbb = lcol[b];
+      for (int a = b + 1 + lane; a < q; a += 32) A[a + b * q] /= lbb;
+      if (lane == 0) A[b + b * q] = lbb;
+    }
+  }
+  __syncthreads();
+  if (warp == 0 && fail == 0) {
+    // L y = g, then Lᵀ x = y, one warp, the right-hand side in registers
+    T vr[RH_SOLVE_ROWS];
+#pragma unroll
+    for (int m = 0; m < RH_SOLVE_ROWS; ++m) {
+      const int i = lane + 32 * m;
+      vr[m] = i < q ? vec[i] : T(0);
+    }
+    for (int k = 0; k < q; ++k) {
+      const int mk = k >> 5;
+      T mine = T(0);
+#pragma unroll
+      for (int m = 0; m < RH_SOLVE_ROWS; ++m)
+        if (m == mk) mine = vr[m];
+      const T yk = __shfl_sync(FULL_MASK, mine / lcol[k], k & 31);
+#pragma unroll
+      for (int m = 0; m < RH_SOLVE_ROWS; ++m) {
+        const int i = lane + 32 * m;
+        if (i > k && i < q) vr[m] -= A[i + k * q] * yk;
+        if (i == k) vr[m] = yk;
+      }
+    }
+    for (int k = q - 1; k >= 0; --k) {
+      const int mk = k >> 5;
+      T mine = T(0);
+#pragma unroll
+      for (int m = 0; m < RH_SOLVE_ROWS; ++m)
+        if (m == mk) mine = vr[m];
+      const T xk = __shfl_sync(FULL_MASK, mine / lcol[k], k & 31);
+#pragma unroll
+      for (int m = 0; m < RH_SOLVE_ROWS; ++m) {
+        const int i = lane + 32 * m;
+        if (i < k) vr[m] -= A[k + i * q] * xk;
+        if (i == k) vr[m] = xk;
+      }
+    }
+#pragma unroll
+    for (int m = 0; m < RH_SOLVE_ROWS; ++m) {
+      const int i = lane + 32 * m;
+      if (i < q) vec[i] = vr[m];
+    }
+  }
+  __syncthreads();
+  for (int idx = threadIdx.x; idx < qq; idx += blockDim.x) H[idx] = A[idx];
+  for (int a = threadIdx.x; a < q; a += blockDim.x) D[a] = vec[a];
+  if (threadIdx.x == 0) {
+    int* ci = ctl_ints(ctl);
+    ci[RH_I_INFO] = fail;
+    ci[RH_I_INFO_SOLVE] = 0;
+  }
+}
+
+// ---------------------------------------------------------------------------
+// Newton, step 3: zdir = Z·D and, in the same pass, the remainder sums
+// Σ w R(t_k · zdir) for every step t_k = 2^-k of the contract's backtracking
+// (lane k of each warp owns step k). The last block checks the Cholesky
+// factor (scale-invariant pivot test, finite D), takes the first step whose
+// objective change is not positive, updates β and tests convergence.
+// `force` = 1 skips the factor checks (D came from the host's fallback).
+// ---------------------------------------------------------------------------
+template <typename T>
+__global__ void __launch_bounds__(RH_ROW_THREADS)
+rh_newton_search(const T* __restrict__ Z, long long ldz, long long n, long long p,
+                 const T* __restrict__ r, const T* __restrict__ w, const T* __restrict__ D,
+                 const T* __restrict__ g, const T* __restrict__ J, const T* __restrict__ L,
+                 const T* __restrict__ Hs, double* __restrict__ ctl, T* __restrict__ beta,
+                 double* __restrict__ partials, double* status, long long force) {
+  extern __shared__ double smem_d[];
+  T* sd = reinterpret_cast<T*>(smem_d);
+  __shared__ double red[(MAX_WARPS + 1) * 32];
+  __shared__ double red2[MAX_WARPS * 3];
+  __shared__ int s_mode;
+  __shared__ double s_t;
+  for (long long j = threadIdx.x; j < p; j += blockDim.x) sd[j] = D[j];
+  __syncthreads();
+  const T tau = (T)ctl[RH_P_TAU];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const long long nw = (long long)gridDim.x * (blockDim.x >> 5);
+  const T tk = lane < RH_LINE_SEARCH_STEPS ? (T)ldexp(1.0, -lane) : T(0);
+  double acc = 0.0;
+  for (long long i0 = (long long)blockIdx.x * (blockDim.x >> 5) + warp; i0 < n; i0 += RH_ROWS * nw) {
+    T dots[RH_ROWS];
+    rows_dot<RH_ROWS>(Z, ldz, i0, nw, n, sd, p, lane, dots);
+#pragma unroll
+    for (int rr = 0; rr < RH_ROWS; ++rr) {
+    const long long i = i0 + rr * nw;
+    if (i >= n) break;
+    const T zd = dots[rr];
+    if (lane < RH_LINE_SEARCH_STEPS) {
+      const T ri = r[i];
+      const T psi = clip(ri, -tau, tau);
+      const T over = ri - psi, lo = -tau - psi, hi = tau - psi;
+      T dp = zd * tk;  // exact: t_k is a power of two
+      dp = dp + over;
+      T u = clip(dp, lo, hi);
+      dp = dp - u * T(0.5);
+      u = u * dp;
+      acc += (double)(w[i] * u);
+    }
+    }
+  }
+  int* ci = ctl_ints(ctl);
+  if (!lane_grid_reduce(acc, partials, reinterpret_cast<unsigned int*>(ci + RH_I_TICKET), red))
+    return;
+
+  // ---- last block: decide the iteration ----
+  double v[3] = {0.0, 0.0, 0.0};  // gᵀD, DᵀJD, failed checks
+  const double rtol = ctl[RH_P_RTOL];
+  block_symv<1>(
+      J, (int)p, [&](int b, int) { return (double)sd[b]; },
+      [&](int a, int, double jd) { v[1] += (double)sd[a] * jd; }, red, MAX_WARPS * 32);
+  for (long long a = threadIdx.x; a < p; a += blockDim.x) {
+    const double da = (double)sd[a];
+    v[0] += (double)g[a] * da;
+    if (!finite_v(sd[a])) v[2] += 1.0;
+    if (!force) {
+      const double hd = (double)Hs[a * p + a];
+      const double l = (double)L[a * p + a];
+      const double ratio = hd > 0.0 ? (l * l) / hd : 0.0;
+      if (!(ratio > rtol)) v[2] += 1.0;
+    }
+  }
+  block_sum<3>(v, red2);
+  if (threadIdx.x == 0) {
+    s_mode = 0;
+    ctl[RH_S_SLOPE] = v[0];
+    const bool bad = v[2] > 0.0 || (!force && ci[RH_I_INFO] != 0);
+    if (bad) {
+      ci[RH_I_FALLBACK] = 1;
+    } else {
+      ci[RH_I_FALLBACK] = 0;
+      const double total = ctl[RH_P_TOTAL];
+      int accepted = -1;
+      for (int k = 0; k < RH_LINE_SEARCH_STEPS; ++k) {
+        const double t = ldexp(1.0, -k);
+        // F(β − tD) − F(β) in the difference form of rh_dask.core
+        const double change = -t * v[0] + (red[MAX_WARPS * 32 + k] + 0.5 * t * t * v[1]) / total;
+        if (!(change > 0.0)) {
+          accepted = k;
+          break;
+        }
+      }
+      ci[RH_I_ITER] += 1;
+      if (accepted < 0) {
+        ci[RH_I_ACCEPT] = 0;
+        ci[RH_I_CONV] = 0;
+        ci[RH_I_DONE] = 1;
+      } else {
+        ci[RH_I_ACCEPT] = 1;
+        s_t = ldexp(1.0, -accepted);
+        ctl[RH_S_T] = s_t;
+        s_mode = 1;
+      }
+    }
+  }
+  __syncthreads();
+  if (s_mode == 1) {
+    const T tt = (T)s_t;
+    double q[2] = {0.0, 0.0};
+    for (long long a = threadIdx.x; a < p; a += blockDim.x) {
+      const T old = beta[a];
+      const T nb = old - mul_rn(tt, sd[a]);
+      const T st = nb - old;
+      beta[a] = nb;
+      q[0] += (double)st * (double)st;
+      q[1] += (double)nb * (double)nb;
+    }
+    block_sum<2>(q, red2);
+    if (threadIdx.x == 0) {
+      const double step = sqrt(q[0]), nn = sqrt(q[1]);
+      ctl[RH_S_STEP] = step;
+      ctl[RH_S_NORM] = nn;
+      const int conv = step <= ctl[RH_P_TOL] * (1.0 + nn) ? 1 : 0;
+      ci[RH_I_CONV] = conv;
+      if (conv || ci[RH_I_ITER] >= (int)ctl[RH_P_MAX_ITER]) ci[RH_I_DONE] = 1;
+    }
+  }
+  mirror_status(ctl, status);
+}
+
+// ---------------------------------------------------------------------------
+// Commit, step 1: r at the final β, M = w κ(r) ⊙ Z for the information update
+// and the loss Σ w ρ(r) for the objective diagnostic.
+// ---------------------------------------------------------------------------
+template <typename T>
+__global__ void __launch_bounds__(RH_ROW_THREADS)
+rh_commit_eval(const T* __restrict__ Z, long long ldz, long long n, long long p,
+               const T* __restrict__ y, const T* __restrict__ w, const T* __restrict__ beta,
+               double* __restrict__ ctl, T* __restrict__ M, long long ldm,
+               double* __restrict__ partials, double* status) {
+  // Queued after every LAMM round group: a no-op until the solve is done.
+  if (ctl_ints(ctl)[RH_I_DONE] == 0 || ctl_ints(ctl)[RH_I_COMMITTED] != 0) return;
+  extern __shared__ double smem_d[];
+  T* sb = reinterpret_cast<T*>(smem_d);
+  __shared__ double red[(MAX_WARPS + 1) * 32];
+  for (long long j = threadIdx.x; j < p; j += blockDim.x) sb[j] = beta[j];
+  __syncthreads();
+  const T tau = (T)ctl[RH_P_TAU], hih = (T)ctl[RH_P_HALF_INV_H];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const long long nw = (long long)gridDim.x * (blockDim.x >> 5);
+  double loss = 0.0;
+  for (long long i0 = (long long)blockIdx.x * (blockDim.x >> 5) + warp; i0 < n; i0 += RH_ROWS * nw) {
+    T dots[RH_ROWS];
+    rows_dot<RH_ROWS>(Z, ldz, i0, nw, n, sb, p, lane, dots);
+#pragma unroll
+    for (int rr = 0; rr < RH_ROWS; ++rr) {
+      const long long i = i0 + rr * nw;
+      if (i >= n) break;
+      const T* zr = Z + i * ldz;
+      const T ri = y[i] - dots[rr];
+      const T psi = clip(ri, -tau, tau);
+      T k = tau - absv(ri);
+      k = mul_rn(k, hih) + T(0.5);
+      k = clip(k, T(0), T(1));
+      const T wi = w[i];
+      const T c = k * wi;
+      T* mr = M + i * ldm;
+      for (long long j = lane; j < p; j += 32) mr[j] = c * zr[j];
+      if (lane == 0) {
+        const T rho = (ri - psi * T(0.5)) * psi;
+        loss += (double)(wi * rho);
+      }
+    }
+  }
+  int* ci = ctl_ints(ctl);
+  if (!lane_grid_reduce(lane == 0 ? loss : 0.0, partials,
+                        reinterpret_cast<unsigned int*>(ci + RH_I_TICKET), red))
+    return;
+  if (threadIdx.x == 0) ctl[RH_S_LOSS] = red[MAX_WARPS * 32];
+  mirror_status(ctl, status);
+}
+
+// ---------------------------------------------------------------------------
+// Commit, step 2 (one block): objective diagnostic, J ← J + sym(C), β ← β_work.
+// ---------------------------------------------------------------------------
+template <typename T>
+__global__ void __launch_bounds__(RH_SMALL_THREADS)
+rh_commit_finish(const T* __restrict__ C, T* __restrict__ J, const T* __restrict__ beta_w,
+                 const T* beta0, long long p, double* __restrict__ ctl, T* beta_out,
+                 double* status) {
+  // beta0 and beta_out are the same buffer (the committed β): it is read
+  // before the barrier in block_sum and written after it.
+  // Queued after every iteration: commits once, when the solve is done.
+  int* ci = ctl_ints(ctl);
+  if (ci[RH_I_DONE] == 0 || ci[RH_I_COMMITTED] != 0) return;
+  __shared__ double red[MAX_WARPS * 3];
+  const bool has_hist = ctl[RH_P_HAS_HIST] != 0.0;
+  __shared__ double scratch[RH_SMALL_THREADS];
+  double v[3] = {0.0, 0.0, 0.0};  // ΔᵀJΔ, Δᵀs, ‖β ⊙ m‖₁
+  block_symv<1>(
+      J, (int)p, [&](int b, int) { return (double)(beta_w[b] - beta0[b]); },
+      [&](int a, int, double jd) { v[0] += (double)(beta_w[a] - beta0[a]) * jd; }, scratch,
+      RH_SMALL_THREADS);
+  for (long long a = threadIdx.x; a < p; a += blockDim.x) {
+    const T da = beta_w[a] - beta0[a];
+    const double m = mask_of(a, p, ctl);
+    if (has_hist) v[1] += (double)da * (double)sign_of(beta0[a]) * m;
+    v[2] += fabs((double)beta_w[a]) * m;
+  }
+  block_sum<3>(v, red);  // every thread has read J before anyone writes it
+  const int q = (int)p;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
+  for (int b = warp; b < q; b += nwarps)
+    for (int a = lane; a < q; a += 32) {
+      const int hi = a > b ? a : b, lo = a > b ? b : a;
+      J[a + b * q] = J[a + b * q] + C[hi + lo * q];
+    }
+  for (long long a = threadIdx.x; a < p; a += blockDim.x) beta_out[a] = beta_w[a];
+  if (threadIdx.x == 0) {
+    double obj = (ctl[RH_S_LOSS] + 0.5 * v[0]) / ctl[RH_P_TOTAL];
+    if (has_hist) obj -= ctl[RH_P_HIST] * v[1];
+    if (ctl[RH_P_PENALISED] != 0.0) obj += ctl[RH_P_LAMBDA_VALUE] * v[2];
+    ctl[RH_S_OBJ] = obj;
+    ci[RH_I_COMMITTED] = 1;
+  }
+  mirror_status(ctl, status);
+}
+
+// ---------------------------------------------------------------------------
+// LAMM, step 1: r and g(β) in one pass. Each warp accumulates w ψ(r_i) z_i
+// into its own shared-memory row (lanes own columns: no atomics), blocks
+// write their partial Zᵀ(wψ), the last block adds them in block order and
+// forms g = (JΔ − Zᵀwψ)/N − hist·s. Skipped while a φ round of the same
+// iteration is still pending (r and g are unchanged) or once the solve is done.
+// Dynamic shared memory: nwarps·ldp doubles + p values of T.
+// ---------------------------------------------------------------------------
+template <typename T>
+__global__ void __launch_bounds__(RH_ROW_THREADS)
+rh_lamm_eval(const T* __restrict__ Z, long long ldz, long long n, long long p, long long ldp,
+             const T* __restrict__ y, const T* __restrict__ w, const T* __restrict__ beta,
+             const T* __restrict__ beta0, const T* __restrict__ J, double* __restrict__ ctl,
+             T* __restrict__ r, T* __restrict__ g, double* __restrict__ partials) {
+  int* ci = ctl_ints(ctl);
+  if (ci[RH_I_DONE] != 0 || ci[RH_I_TRIALS] != 0) return;
+  extern __shared__ double smem_d[];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
+  double* acc = smem_d;  // [nwarps][ldp]
+  T* sb = reinterpret_cast<T*>(smem_d + (size_t)nwarps * ldp);
+  for (long long j = threadIdx.x; j < (long long)nwarps * ldp; j += blockDim.x) acc[j] = 0.0;
+  for (long long j = threadIdx.x; j < p; j += blockDim.x) sb[j] = beta[j];
+  __syncthreads();
+  const T tau = (T)ctl[RH_P_TAU];
+  const long long nw = (long long)gridDim.x * nwarps;
+  double* my = acc + (size_t)warp * ldp;
+  for (long long i0 = (long long)blockIdx.x * nwarps + warp; i0 < n; i0 += RH_ROWS * nw) {
+    T dots[RH_ROWS];
+    rows_dot<RH_ROWS>(Z, ldz, i0, nw, n, sb, p, lane, dots);
+#pragma unroll
+    for (int rr = 0; rr < RH_ROWS; ++rr) {
+      const long long i = i0 + rr * nw;
+      if (i >= n) break;
+      const T* zr = Z + i * ldz;
+      const T ri = y[i] - dots[rr];
+      const T v = w[i] * clip(ri, -tau, tau);
+      for (long long j = lane; j < p; j += 32) my[j] += (double)(v * zr[j]);
+      if (lane == 0) r[i] = ri;
+    }
+  }
+  __syncthreads();
+  for (long long j = threadIdx.x; j < p; j += blockDim.x) {
+    double s = 0.0;
+    for (int q = 0; q < nwarps; ++q) s += acc[(size_t)q * ldp + j];
+    partials[(size_t)blockIdx.x * ldp + j] = s;
+  }
+  if (!arrive_last(reinterpret_cast<unsigned int*>(ci + RH_I_TICKET))) return;
+  // Add the block partials in `slices` interleaved groups (more loads in
+  // flight), then the groups in order: a fixed order, so fixed bits.
+  long long slices = (long long)blockDim.x / ldp;
+  slices = slices < 1 ? 1 : (slices > nwarps ? nwarps : slices);
+  for (long long t = threadIdx.x; t < slices * ldp; t += blockDim.x) {
+    const long long sl = t / ldp, a = t % ldp;
+    double s = 0.0;
+    if (a < p)
+      for (long long b = sl; b < gridDim.x; b += slices) s += __ldcg(partials + (size_t)b * ldp + a);
+    acc[sl * ldp + a] = s;
+  }
+  __syncthreads();
+  const T inv = (T)ctl[RH_P_INV_TOTAL], hist = (T)ctl[RH_P_HIST];
+  const bool has_hist = ctl[RH_P_HAS_HIST] != 0.0;
+  __shared__ double scratch[RH_SMALL_THREADS];
+  block_symv<1>(
+      J, (int)p, [&](int b, int) { return (double)(beta[b] - beta0[b]); },
+      [&](int a, int, double jd) {
+        double G = 0.0;
+        for (long long sl = 0; sl < slices; ++sl) G += acc[sl * ldp + a];
+        T ga = (T)jd - (T)G;
+        ga = ga * inv;
+        if (has_hist) ga = ga - mul_rn(hist, (T)(sign_of(beta0[a]) * (T)mask_of(a, p, ctl)));
+        g[a] = ga;
+      },
+      scratch, RH_SMALL_THREADS);
+  if (threadIdx.x == 0) *reinterpret_cast<unsigned int*>(ci + RH_I_TICKET) = 0u;
+}
+
+// ---------------------------------------------------------------------------
+// LAMM, step 2: one round of RH_LAMM_ROUND majorisation trials φ_k = 2^k φ in
+// one pass over Z. Every block forms the candidates c_k = S(β − g/φ_k, λm/φ_k)
+// and steps e_k = c_k − β in shared memory (same code, same bits in every
+// block); each warp computes the K products z_i·e_k of a row and lane k adds
+// w R(−z_i·e_k). The last block takes the first k passing the majorisation
+// test, or moves φ on by 2^K for the next round (up to the contract's 40
+// trials), and tests convergence.
+// Dynamic shared memory: (K + 1)·ldp values of T.
+// ---------------------------------------------------------------------------
+template <typename T>
+__global__ void __launch_bounds__(RH_ROW_THREADS)
+rh_lamm_trials(const T* __restrict__ Z, long long ldz, long long n, long long p, long long ldp,
+               const T* __restrict__ r, const T* __restrict__ w, const T* __restrict__ g,
+               const T* __restrict__ J, double* __restrict__ ctl, T* __restrict__ beta,
+               double* __restrict__ partials, double* status) {
+  int* ci = ctl_ints(ctl);
+  if (ci[RH_I_DONE] != 0) return;
+  constexpr int K = RH_LAMM_ROUND;
+  extern __shared__ double smem_d[];
+  __shared__ double red[(MAX_WARPS + 1) * 32];
+  __shared__ double red2[MAX_WARPS * 2 * K];
+  __shared__ int s_k;
+  T* E = reinterpret_cast<T*>(smem_d);  // [K][ldp]
+  const double phi0 = ctl[RH_S_PHI];
+  const T lam = (T)ctl[RH_P_LAM];
+  for (int k = 0; k < K; ++k)
+  for (int j = threadIdx.x; j < (int)p; j += blockDim.x) {
+    const T ip = (T)(1.0 / (phi0 * ldexp(1.0, k)));
+    const T bj = beta[j];
+    const T x = bj - mul_rn(g[j], ip);
+    const T thr = mul_rn((T)mask_of(j, p, ctl) * lam, ip);
+    const T mag = absv(x) - thr;
+    const T c = sign_of(x) * (mag > T(0) ? mag : T(0));
+    E[(size_t)k * ldp + j] = c - bj;
+  }
+  __syncthreads();
+  const T tau = (T)ctl[RH_P_TAU];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const long long nw = (long long)gridDim.x * (blockDim.x >> 5);
+  double acc = 0.0;
+  for (long long i = (long long)blockIdx.x * (blockDim.x >> 5) + warp; i < n; i += nw) {
+    const T* zr = Z + i * ldz;
+    T dots[K];
+#pragma unroll
+    for (int k = 0; k < K; ++k) dots[k] = T(0);
+    for (long long j = lane; j < p; j += 32) {
+      const T z = zr[j];
+#pragma unroll
+      for (int k = 0; k < K; ++k) dots[k] += z * E[(size_t)k * ldp + j];
+    }
+    T mine = T(0);
+#pragma unroll
+    for (int k = 0; k < K; ++k) {
+      const T s = warp_sum(dots[k]);
+      if (lane == k) mine = s;
+    }
+    if (lane < K) {
+      const T ri = r[i];
+      const T psi = clip(ri, -tau, tau);
+      const T over = ri - psi, lo = -tau - psi, hi = tau - psi;
+      T dp = -mine;  // δ = −Z e
+      dp = dp + over;
+      T u = clip(dp, lo, hi);
+      dp = dp - u * T(0.5);
+      u = u * dp;
+      acc += (double)(w[i] * u);
+    }
+  }
+  if (!lane_grid_reduce(acc, partials, reinterpret_cast<unsigned int*>(ci + RH_I_TICKET), red))
+    return;
+
+  // ---- last block: majorisation tests of the K trials ----
+  double v[2 * K];  // eᵀJe and eᵀe per trial
+#pragma unroll
+  for (int k = 0; k < 2 * K; ++k) v[k] = 0.0;
+  block_symv<K>(
+      J, (int)p, [&](int b, int kk) { return (double)E[(size_t)kk * ldp + b]; },
+      [&](int a, int kk, double je) {
+        const double ea = (double)E[(size_t)kk * ldp + a];
+        v[kk] += ea * je;
+        v[K + kk] += ea * ea;
+      },
+      red, MAX_WARPS * 32);
+  block_sum<2 * K>(v, red2);
+  if (threadIdx.x == 0) {
+    const double total = ctl[RH_P_TOTAL];
+    s_k = -1;
+    for (int k = 0; k < K; ++k) {
+      const double phi = phi0 * ldexp(1.0, k);
+      const double excess = (red[MAX_WARPS * 32 + k] + 0.5 * v[k]) / total;
+      if (excess <= 0.5 * phi * v[K + k] + 1e-12) {
+        s_k = k;
+        break;
+      }
+    }
+    if (s_k < 0) {
+      ci[RH_I_TRIALS] += K;
+      ctl[RH_S_PHI] = phi0 * ldexp(1.0, K);
+      if (ci[RH_I_TRIALS] >= 40) {  // the contract's LAMM_MAX_TRIALS
+        ci[RH_I_ITER] += 1;
+        ci[RH_I_ACCEPT] = 0;
+        ci[RH_I_CONV] = 0;
+        ci[RH_I_DONE] = 1;
+      }
+    }
+  }
+  __syncthreads();
+  const int ks = s_k;
+  if (ks >= 0) {
+    const double phik = phi0 * ldexp(1.0, ks);
+    const T ip = (T)(1.0 / phik);
+    double q[1] = {0.0};
+    for (long long a = threadIdx.x; a < p; a += blockDim.x) {
+      // the same expression as above: β becomes exactly the tested candidate
+      const T bj = beta[a];
+      const T x = bj - mul_rn(g[a], ip);
+      const T thr = mul_rn((T)mask_of(a, p, ctl) * lam, ip);
+      const T mag = absv(x) - thr;
+      const T c = sign_of(x) * (mag > T(0) ? mag : T(0));
+      beta[a] = c;
+      q[0] += (double)c * (double)c;
+    }
+    block_sum<1>(q, red2);
+    if (threadIdx.x == 0) {
+      const double step = sqrt(v[K + ks]), nn = sqrt(q[0]);
+      ctl[RH_S_STEP] = step;
+      ctl[RH_S_NORM] = nn;
+      const double half = phik / 2.0;
+      ctl[RH_S_PHI] = half > 1e-8 ? half : 1e-8;  // the contract's LAMM_MIN_PHI
+      ci[RH_I_TRIALS] = 0;
+      ci[RH_I_ITER] += 1;
+      ci[RH_I_ACCEPT] = 1;
+      const int conv = step <= ctl[RH_P_TOL] * (1.0 + nn) ? 1 : 0;
+      ci[RH_I_CONV] = conv;
+      if (conv || ci[RH_I_ITER] >= (int)ctl[RH_P_MAX_ITER]) ci[RH_I_DONE] = 1;
+    }
+  }
+  mirror_status(ctl, status);
+}
+
+// ---------------------------------------------------------------------------
+// Prediction for device input: out = X β[:d] (+ β[d]).
+// ---------------------------------------------------------------------------
+template <typename T>
+__global__ void __launch_bounds__(RH_ROW_THREADS)
+rh_predict(const T* __restrict__ X, long long ldx, long long n, long long d,
+           const T* __restrict__ beta, long long intercept, T* __restrict__ out) {
+  extern __shared__ double smem_d[];
+  T* sb = reinterpret_cast<T*>(smem_d);
+  for (long long j = threadIdx.x; j < d + intercept; j += blockDim.x) sb[j] = beta[j];
+  __syncthreads();
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const long long nw = (long long)gridDim.x * (blockDim.x >> 5);
+  for (long long i = (long long)blockIdx.x * (blockDim.x >> 5) + warp; i < n; i += nw) {
+    T v = row_dot(X + i * ldx, sb, d, lane);
+    if (intercept) v += sb[d];
+    if (lane == 0) out[i] = v;
+  }
+}

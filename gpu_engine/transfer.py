@@ -1,0 +1,347 @@
+"""Getting batches onto the engine's device.
+
+Device input
+    CuPy arrays, objects exposing ``__cuda_array_interface__`` and DLPack
+    tensors (PyTorch, JAX, ...) are *viewed*, never copied or converted:
+    anything that would need a copy (another device, another dtype, a
+    non-contiguous layout, host memory) is refused with a message saying
+    which explicit conversion to make.
+
+Host input
+    NumPy batches go through pinned staging buffers and asynchronous copies
+    on a dedicated copy stream. :class:`HostStager` keeps two slots, so that
+    batch i+1 can be copied (host memcpy into pinned memory by a few threads,
+    each chunk's DMA issued as soon as it is in pinned memory) while batch i
+    is being solved. Memory that is already pinned is copied by DMA directly.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from types import ModuleType
+from typing import Any
+
+import numpy as np
+
+from rh_dask.exceptions import ValidationError
+
+# DLPack device types (dlpack.h): kDLCPU, kDLCUDA, kDLCUDAHost, kDLCUDAManaged.
+_KDL_CUDA = 2
+_KDL_NAMES = {1: "CPU", 2: "CUDA", 3: "CUDA pinned host", 13: "CUDA managed"}
+#: Rows of one staging chunk are sized to about this many bytes.
+CHUNK_BYTES = 4 << 20
+_MEMORY_TYPE_HOST = 1  # cudaMemoryTypeHost
+
+
+def as_device_array(
+    cp: ModuleType, obj: Any, name: str, device_id: int, dtype: np.dtype, ndim: int
+) -> Any:
+    """A zero-copy CuPy view of a CUDA array, validated for the engine.
+
+    Call it with the engine's stream current: DLPack producers then order
+    their pending work before that stream.
+
+    Raises
+    ------
+    ValidationError
+        When the array is not on ``device_id``, not of ``dtype``, not
+        C-contiguous, or not ``ndim``-dimensional.
+    """
+    if isinstance(obj, cp.ndarray):
+        arr = obj
+    elif hasattr(obj, "__cuda_array_interface__"):
+        arr = cp.asarray(obj)  # a view of the same memory
+    elif hasattr(obj, "__dlpack_device__"):
+        kind, index = (int(v) for v in obj.__dlpack_device__())
+        if kind != _KDL_CUDA:
+            where = _KDL_NAMES.get(kind, f"DLPack device type {kind}")
+            raise ValidationError(
+                f"{name} lives in {where} memory; the GPU engine takes CUDA device memory "
+                "(pass a NumPy array for host data, or move the tensor to the GPU explicitly)"
+            )
+        if index != device_id:
+            raise ValidationError(
+                f"{name} is on cuda:{index}, but this engine runs on cuda:{device_id}; "
+                f"move it explicitly (e.g. tensor.to('cuda:{device_id}'))"
+            )
+        try:
+            arr = cp.from_dlpack(obj)
+        except Exception as exc:  # e.g. a tensor that requires grad
+            raise ValidationError(f"{name} cannot be viewed through DLPack: {exc}") from exc
+    else:
+        raise ValidationError(
+            f"{name} must be a NumPy array or a CUDA array (CuPy, DLPack), "
+            f"got {type(obj).__name__}"
+        )
+    if arr.device.id != device_id:
+        raise ValidationError(
+            f"{name} is on cuda:{arr.device.id}, but this engine runs on cuda:{device_id}; "
+            "copy it to the engine's device explicitly"
+        )
+    if arr.dtype != dtype:
+        raise ValidationError(
+            f"{name} has dtype {arr.dtype}, but the engine computes in {np.dtype(dtype).name}; "
+            "convert it explicitly (the engine never copies device data behind your back)"
+        )
+    if arr.ndim != ndim:
+        raise ValidationError(f"{name} must be {ndim}-D, got shape {tuple(arr.shape)}")
+    if not arr.flags.c_contiguous:
+        raise ValidationError(
+            f"{name} must be C-contiguous on the device (got strides {arr.strides}); "
+            "call cupy.ascontiguousarray(...) or tensor.contiguous() explicitly"
+        )
+    return arr
+
+
+def is_pinned(cp: ModuleType, arr: np.ndarray) -> bool:
+    """Whether a host array lives in page-locked (CUDA-registered) memory."""
+    if arr.size == 0:
+        return False
+    try:
+        attrs = cp.cuda.runtime.pointerGetAttributes(arr.ctypes.data)
+    except Exception:
+        return False
+    return int(getattr(attrs, "type", 0)) == _MEMORY_TYPE_HOST
+
+
+class PinnedBuffer:
+    """Page-locked host memory with a NumPy view, freed explicitly."""
+
+    def __init__(self, cp: ModuleType, nbytes: int, mapped: bool = False) -> None:
+        rt = cp.cuda.runtime
+        flags = rt.hostAllocPortable | (rt.hostAllocMapped if mapped else 0)
+        self._rt = rt
+        self.nbytes = max(int(nbytes), 8)
+        self.ptr = int(rt.hostAlloc(self.nbytes, flags))
+        self._raw = (ctypes.c_char * self.nbytes).from_address(self.ptr)
+
+    def view(self, dtype: np.dtype | type, count: int, offset: int = 0) -> np.ndarray:
+        return np.frombuffer(self._raw, dtype=dtype, count=count, offset=offset)
+
+    def free(self) -> None:
+        if self.ptr:
+            self._rt.freeHost(self.ptr)
+            self.ptr = 0
+
+    def __del__(self) -> None:  # pragma: no cover - interpreter shutdown order varies
+        try:
+            self.free()
+        except Exception:
+            pass
+
+
+class _Slot:
+    """One staging slot: pinned host buffers, device buffers, and their events."""
+
+    def __init__(self, cp: ModuleType, dtype: np.dtype) -> None:
+        self.cp = cp
+        self.dtype = np.dtype(dtype)
+        self.rows = 0
+        self.cols = 0
+        self.host: PinnedBuffer | None = None
+        self.device: Any = None
+        self.copied = cp.cuda.Event(disable_timing=True)  # DMA out of the pinned buffer done
+        self.ready = cp.cuda.Event(disable_timing=True)  # device buffers hold the batch
+        self.consumed = cp.cuda.Event(disable_timing=True)  # the engine has read them
+        self.used = False
+        self.epoch = 0  # incremented by every staging into this slot
+
+    def ensure(self, n: int, d: int) -> None:
+        if n <= self.rows and d == self.cols:
+            return
+        rows = max(n, self.rows if d == self.cols else 0)
+        count = rows * (d + 2)  # X, then y, then w
+        if self.host is not None:
+            self.host.free()
+        self.host = PinnedBuffer(self.cp, count * self.dtype.itemsize)
+        self.device = self.cp.empty(count, dtype=self.dtype)
+        self.rows, self.cols = rows, d
+
+
+@dataclass
+class StagedBatch:
+    """A host batch on its way to (or already in) device buffers.
+
+    ``X``, ``y`` and ``w`` are CuPy views of the slot's device buffers; they
+    are valid once the engine's stream has waited for ``ready``.
+    """
+
+    X: Any
+    y: Any
+    w: Any | None
+    n: int
+    d: int
+    slot: _Slot
+    epoch: int
+
+
+class HostStager:
+    """Double-buffered, overlapped host-to-device staging of NumPy batches.
+
+    Parameters
+    ----------
+    cp : module
+        CuPy.
+    device_id : int
+        The engine's device.
+    dtype : numpy.dtype
+        The engine's dtype (host arrays must already have it).
+    threads : int
+        Threads copying pageable rows into pinned memory in parallel.
+    """
+
+    def __init__(self, cp: ModuleType, device_id: int, dtype: np.dtype, threads: int = 4) -> None:
+        self._cp = cp
+        self._device_id = device_id
+        self._dtype = np.dtype(dtype)
+        with cp.cuda.Device(device_id):
+            self.stream = cp.cuda.Stream(non_blocking=True)
+            self._slots = [_Slot(cp, dtype), _Slot(cp, dtype)]
+        self._next = 0
+        self._lock = threading.Lock()
+        self._threads = max(1, int(threads))
+        self._pool: ThreadPoolExecutor | None = None
+        self._prefetcher: ThreadPoolExecutor | None = None
+        self._pending: tuple[tuple[int, int, int], Any, tuple[Any, ...]] | None = None
+
+    # -- staging --------------------------------------------------------------------
+    def stage(self, X: np.ndarray, y: np.ndarray, w: np.ndarray | None) -> StagedBatch:
+        """Copy one batch into the next slot's device buffers (asynchronously).
+
+        Returns once the host side is done (pinned memory filled, DMA queued on
+        the copy stream); the device side completes at ``slot.ready``.
+        """
+        cp = self._cp
+        with self._lock, cp.cuda.Device(self._device_id):
+            slot = self._slots[self._next]
+            self._next ^= 1
+            n, d = X.shape
+            if slot.used:
+                # The pinned buffer is rewritten below: its previous DMA must be over;
+                # the device buffers too: the engine must have read them.
+                slot.copied.synchronize()
+                self.stream.wait_event(slot.consumed)
+                if n > slot.rows or d != slot.cols:
+                    slot.consumed.synchronize()  # the old buffers are about to be freed
+            slot.ensure(n, d)
+            slot.epoch += 1
+            item = self._dtype.itemsize
+            host, dev = slot.host, slot.device
+            assert host is not None
+            x_host = host.view(self._dtype, n * d).reshape(n, d)
+            offsets = (0, slot.rows * d, slot.rows * (d + 1))
+            self._copy_rows(X, x_host, dev.data.ptr, host.ptr, item * d)
+            y_host = host.view(self._dtype, n, offsets[1] * item)
+            self._h2d_small(
+                y, y_host, dev.data.ptr + offsets[1] * item, host.ptr + offsets[1] * item
+            )
+            if w is not None:
+                w_host = host.view(self._dtype, n, offsets[2] * item)
+                self._h2d_small(
+                    w, w_host, dev.data.ptr + offsets[2] * item, host.ptr + offsets[2] * item
+                )
+            slot.copied.record(self.stream)
+            slot.ready.record(self.stream)
+            slot.used = True
+            return StagedBatch(
+                X=dev[: n * d].reshape(n, d),
+                y=dev[offsets[1] : offsets[1] + n],
+                w=None if w is None else dev[offsets[2] : offsets[2] + n],
+                n=n,
+                d=d,
+                slot=slot,
+                epoch=slot.epoch,
+            )
+
+    def _h2d_small(self, src: np.ndarray, pinned: np.ndarray, dst: int, pinned_ptr: int) -> None:
+        rt = self._cp.cuda.runtime
+        nbytes = src.size * src.itemsize
+        if src.flags.c_contiguous and is_pinned(self._cp, src):
+            rt.memcpyAsync(dst, src.ctypes.data, nbytes, rt.memcpyHostToDevice, self.stream.ptr)
+            return
+        np.copyto(pinned, src)
+        rt.memcpyAsync(dst, pinned_ptr, nbytes, rt.memcpyHostToDevice, self.stream.ptr)
+
+    def _copy_rows(
+        self, X: np.ndarray, pinned: np.ndarray, dst: int, pinned_ptr: int, row_bytes: int
+    ) -> None:
+        """X → pinned (parallel chunks) → device, each chunk's DMA queued when it is ready."""
+        rt = self._cp.cuda.runtime
+        n = X.shape[0]
+        stream_ptr = self.stream.ptr
+        if X.flags.c_contiguous and is_pinned(self._cp, X):
+            rt.memcpyAsync(dst, X.ctypes.data, n * row_bytes, rt.memcpyHostToDevice, stream_ptr)
+            return
+        rows = max(1, CHUNK_BYTES // max(row_bytes, 1))
+        bounds = [(s, min(s + rows, n)) for s in range(0, n, rows)]
+        device_id = self._device_id
+
+        def chunk(lo: int, hi: int) -> None:
+            np.copyto(pinned[lo:hi], X[lo:hi])  # releases the GIL
+            rt.setDevice(device_id)
+            rt.memcpyAsync(
+                dst + lo * row_bytes,
+                pinned_ptr + lo * row_bytes,
+                (hi - lo) * row_bytes,
+                rt.memcpyHostToDevice,
+                stream_ptr,
+            )
+
+        if len(bounds) == 1 or self._threads == 1:
+            for lo, hi in bounds:
+                chunk(lo, hi)
+            return
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(self._threads, thread_name_prefix="rh-dask-stage")
+        for future in [self._pool.submit(chunk, lo, hi) for lo, hi in bounds]:
+            future.result()
+
+    # -- prefetch -------------------------------------------------------------------
+    def prefetch(self, X: np.ndarray, y: np.ndarray, w: np.ndarray | None) -> None:
+        """Start staging a batch in the background (see :meth:`take`).
+
+        Only the latest prefetch is remembered; an earlier one that was never
+        taken is simply dropped (its slot is reused later).
+        """
+        if self._prefetcher is None:
+            self._prefetcher = ThreadPoolExecutor(1, thread_name_prefix="rh-dask-prefetch")
+        future = self._prefetcher.submit(self.stage, X, y, w)
+        self._pending = ((id(X), id(y), id(w)), future, (X, y, w))
+
+    def take(self, X: np.ndarray, y: np.ndarray, w: np.ndarray | None) -> StagedBatch | None:
+        """The prefetched staging of exactly these arrays, or None.
+
+        A prefetch of other arrays stays pending for a later call.
+        """
+        pending = self._pending
+        if pending is None or pending[0] != (id(X), id(y), id(w)):
+            return None
+        self._pending = None
+        staged = pending[1].result()  # re-raises a staging error
+        if staged.slot.epoch != staged.epoch:
+            return None  # its slot was reused by later staging
+        return staged
+
+    def discard_pending(self) -> None:
+        """Wait for and forget a prefetch that will not be used."""
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            try:
+                pending[1].result()
+            except Exception:
+                pass
+
+    def close(self) -> None:
+        self.discard_pending()
+        for pool in (self._pool, self._prefetcher):
+            if pool is not None:
+                pool.shutdown(wait=True)
+        self._pool = self._prefetcher = None
+        for slot in self._slots:
+            if slot.host is not None:
+                slot.copied.synchronize()
+                slot.host.free()
+                slot.host = None

@@ -1,0 +1,108 @@
+"""Device buffers of one engine, allocated once and reused for the whole stream.
+
+Everything the iteration kernels touch lives here at fixed addresses, which
+is what lets a captured CUDA graph be replayed batch after batch: buffers
+only move when a batch has more rows (or the stream more parameters) than
+any before, and then :attr:`Workspace.generation` changes so that the
+engine drops its captured graphs.
+"""
+
+from __future__ import annotations
+
+from types import ModuleType
+from typing import Any
+
+import numpy as np
+
+from . import layout
+from .transfer import PinnedBuffer
+
+
+def _round_up(value: int, multiple: int) -> int:
+    return -(-value // multiple) * multiple
+
+
+class Workspace:
+    """The engine's device memory (state, per-batch rows, p-space scratch, control).
+
+    Parameters
+    ----------
+    cp : module
+        CuPy.
+    dtype : numpy.dtype
+        The compute dtype.
+    max_grid : int
+        The largest grid any row kernel is launched with (sizes the partial sums).
+    """
+
+    def __init__(self, cp: ModuleType, dtype: np.dtype, max_grid: int) -> None:
+        self._cp = cp
+        self.dtype = np.dtype(dtype)
+        self.item = self.dtype.itemsize
+        self.max_grid = max_grid
+        # 16-byte aligned rows for Z and M.
+        self._align = 16 // self.item
+        self.generation = 0
+        self.p = 0
+        self.rows = 0
+        self.ctl = cp.zeros(layout.CTL_BYTES, dtype=np.uint8)
+        self.status = PinnedBuffer(cp, layout.CTL_BYTES, mapped=True)
+        self.status_d = self.status.view(np.float64, layout.N_DOUBLE)
+        self.status_i = self.status.view(np.int32, layout.N_INT, layout.N_DOUBLE * 8)
+        self.header = PinnedBuffer(cp, layout.CTL_BYTES)
+        self.header_d = self.header.view(np.float64, layout.N_DOUBLE)
+        self.header_i = self.header.view(np.int32, layout.N_INT, layout.N_DOUBLE * 8)
+        self.partials: Any = None
+
+    # -- addresses -----------------------------------------------------------------
+    @property
+    def ctl_ptr(self) -> int:
+        return int(self.ctl.data.ptr)
+
+    def int_ptr(self, index: int) -> int:
+        """Device address of the control block's int32 field ``index``."""
+        return self.ctl_ptr + layout.N_DOUBLE * 8 + 4 * index
+
+    @property
+    def status_ptr(self) -> int:
+        return self.status.ptr
+
+    # -- sizing --------------------------------------------------------------------
+    def ensure_params(self, p: int) -> bool:
+        """Allocate the p-sized buffers; True when they were (re)allocated (state zeroed)."""
+        if p == self.p:
+            return False
+        cp, dt = self._cp, self.dtype
+        self.p = p
+        self.ldz = _round_up(p, self._align)
+        self.ldm = _round_up(p + 1, self._align)
+        self.ldp = _round_up(p, 2)
+        self.beta = cp.zeros(p, dtype=dt)  # committed state
+        self.J = cp.zeros((p, p), dtype=dt)
+        self.beta_work = cp.zeros(p, dtype=dt)
+        self.C = cp.zeros(p * (p + 1), dtype=dt)
+        self.H = cp.zeros((p, p), dtype=dt)
+        self.Hs = cp.zeros((p, p), dtype=dt)
+        self.g = cp.zeros(p, dtype=dt)
+        self.D = cp.zeros(p, dtype=dt)
+        self.partials = cp.zeros(self.max_grid * max(32, self.ldp), dtype=np.float64)
+        self.rows = 0  # row buffers depend on the strides
+        self.generation += 1
+        return True
+
+    def ensure_rows(self, n: int) -> None:
+        """Grow the row buffers to hold n rows."""
+        if n <= self.rows:
+            return
+        cp, dt = self._cp, self.dtype
+        self.Z = cp.empty(n * self.ldz, dtype=dt)
+        self.M = cp.empty(n * self.ldm, dtype=dt)
+        self.y = cp.empty(n, dtype=dt)
+        self.w = cp.empty(n, dtype=dt)
+        self.r = cp.empty(n, dtype=dt)
+        self.rows = n
+        self.generation += 1
+
+    def close(self) -> None:
+        self.status.free()
+        self.header.free()

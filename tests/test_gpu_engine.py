@@ -1,0 +1,418 @@
+"""The GPU engine against the NumPy reference, on a real CUDA device.
+
+Every test here is marked ``gpu`` and the module is skipped (with the reason)
+where CuPy or a CUDA device is missing, as on CI. On a GPU machine:
+
+    PYTHONPATH=. pytest -q -m gpu tests/test_gpu_engine.py
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+cp = pytest.importorskip("cupy", reason="the GPU engine needs CuPy")
+
+
+def _device_count() -> int:
+    try:
+        return int(cp.cuda.runtime.getDeviceCount())
+    except Exception:
+        return 0
+
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(_device_count() == 0, reason="no CUDA device visible to CuPy"),
+]
+
+from golden_corpus import load_cases, replay_case  # noqa: E402
+
+from gpu_engine import GpuEngine  # noqa: E402
+from rh_dask import HuberConfig, NumpyEngine, RenewableHuberRegressor  # noqa: E402
+from rh_dask.datasets import StreamSpec  # noqa: E402
+from rh_dask.exceptions import EngineUnavailableError, ValidationError  # noqa: E402
+from rh_dask.state import HuberState  # noqa: E402
+
+TOL = {"float64": (1e-8, 2e-9), "float32": (3e-4, 3e-5)}
+
+#: The issue's four shapes with fewer rows (widths and batch sizes kept), and a
+#: short last batch where the stream does not divide evenly.
+SHAPES = {
+    "latency": (16, [4096, 4096]),
+    "reference": (90, [32768, 32768, 1000]),
+    "wide": (256, [4096, 4096, 4096]),
+    "streaming": (32, [65536, 65536, 5000]),
+}
+
+
+def _stream(features: int, sizes: list[int], dtype: str, seed: int = 7):
+    spec = StreamSpec(n_features=features, seed=seed)
+    X, y = spec.chunk(0, sum(sizes), "float64")
+    X, y = X.astype(dtype), y.astype(dtype)
+    out, start = [], 0
+    for size in sizes:
+        out.append((X[start : start + size], y[start : start + size]))
+        start += size
+    return out
+
+
+def _assert_close(actual, expected, dtype, what):
+    rtol, atol = TOL[np.dtype(dtype).name]
+    actual = np.asarray(actual, dtype=np.float64)
+    expected = np.asarray(expected, dtype=np.float64)
+    assert actual.shape == expected.shape, what
+    bound = atol + rtol * np.abs(expected)
+    diff = np.abs(actual - expected)
+    worst = float(np.max(diff / bound)) if diff.size else 0.0
+    assert np.all(diff <= bound), f"{what}: worst |diff|/bound = {worst:.3g}"
+
+
+def _kappa_noise(config, X, y, w, beta_gpu, beta_ref, bandwidth):
+    """How far float32 rounding alone can move this batch's Gram, entry by entry.
+
+    κ(r) has slope 1/(2h) on the band |r| ∈ [τ − h, τ + h], and h ~ 1/√N is
+    small for large batches (1e-3 at 32,768 rows), so rows in the band turn
+    float32-size differences of r (the engines' β differ by float32 rounding,
+    and r itself is rounded) into differences of κ of up to 1e-3, and every
+    such row moves every entry of J by Δκ·|z_a z_b|. Small off-diagonal
+    entries of J then move by far more than 3e-5 + 3e-4·|J|: the NumPy
+    float32 engine itself misses its own float64 result by up to ~80 times
+    that bound at these sizes. This is the bound on that effect: rows whose
+    κ can move, times how far; zero for rows away from the band.
+    """
+    Z = np.asarray(X, dtype=np.float64)
+    if config.fit_intercept:
+        Z = np.column_stack([Z, np.ones(len(Z))])
+    b_ref = np.asarray(beta_ref, dtype=np.float64)
+    b_gpu = np.asarray(beta_gpu, dtype=np.float64)
+    y64 = np.asarray(y, dtype=np.float64)
+    absZ = np.abs(Z)
+    eps = float(np.finfo(np.float32).eps)
+    # β differs by what the two engines' states differ by; r's own rounding is
+    # one float32 unit of its terms for each engine (the NumPy float32 engine
+    # stays within 16% of this allowance against its float64 self).
+    dr = absZ @ np.abs(b_gpu - b_ref) + 2 * eps * (np.abs(y64) + absZ @ np.abs(b_ref))
+    r = y64 - Z @ b_ref
+    band = np.abs(np.abs(r) - config.tau) <= bandwidth + dr
+    dk = np.where(band, np.minimum(1.0, dr / (2 * bandwidth)), 0.0)
+    if w is not None:
+        dk = dk * np.asarray(w, dtype=np.float64)
+    return (absZ * dk[:, None]).T @ absZ
+
+
+def _assert_states_close(gpu: HuberState, ref: HuberState, dtype, what="", noise=None):
+    """Counters exact, β and J within the contract's tolerance of the reference.
+
+    For float32, J may in addition differ by the κ rounding noise of
+    :func:`_kappa_noise` (accumulated over the stream), entry by entry.
+    """
+    assert gpu.counters() == ref.counters(), what
+    assert gpu.coefficients.dtype == np.dtype(dtype)
+    _assert_close(gpu.coefficients, ref.coefficients, dtype, f"{what} coefficients")
+    if noise is None:
+        _assert_close(gpu.information, ref.information, dtype, f"{what} information")
+        return
+    rtol, atol = TOL[np.dtype(dtype).name]
+    expected = ref.information.astype(np.float64)
+    diff = np.abs(gpu.information.astype(np.float64) - expected)
+    bound = atol + rtol * np.abs(expected)
+    print(
+        f"{what}: float32 J, worst |diff|/contract bound {np.max(diff / bound):.3g}, "
+        f"worst |diff|/(bound + κ noise) {np.max(diff / (bound + noise)):.3g}"
+    )
+    assert np.all(diff <= bound + noise), f"{what} information beyond the κ rounding noise"
+
+
+def _differential(config, batches, device_input=False, weights=None):
+    """Feed the same batches to both engines; compare after every batch."""
+    ref = NumpyEngine(config)
+    gpu = GpuEngine(config)
+    noise = 0.0 if config.dtype == "float32" else None
+    for i, (X, y) in enumerate(batches):
+        w = None if weights is None else weights[i]
+        d_ref = ref.partial_fit(X, y, w)
+        if device_input:
+            d_gpu = gpu.partial_fit(
+                cp.asarray(X), cp.asarray(y), None if w is None else cp.asarray(w)
+            )
+        else:
+            d_gpu = gpu.partial_fit(X, y, w)
+        what = f"batch {i}"
+        s_gpu, s_ref = gpu.export_state(), ref.export_state()
+        if noise is not None:
+            noise = noise + _kappa_noise(
+                config, X, y, w, s_gpu.coefficients, s_ref.coefficients, d_ref.bandwidth
+            )
+        _assert_states_close(s_gpu, s_ref, config.dtype, what, noise)
+        assert d_gpu.converged == d_ref.converged, (what, d_gpu, d_ref)
+        for key in ("objective", "lambda_value", "bandwidth"):
+            _assert_close(getattr(d_gpu, key), getattr(d_ref, key), config.dtype, key)
+    return gpu, ref
+
+
+@pytest.mark.parametrize("penalty", ["none", "l1"])
+@pytest.mark.parametrize("dtype", ["float64", "float32"])
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_matches_the_reference_in_all_sixteen_configurations(shape, dtype, penalty):
+    features, sizes = SHAPES[shape]
+    config = HuberConfig(penalty=penalty, dtype=dtype)
+    gpu, _ = _differential(config, _stream(features, sizes, dtype), device_input=True)
+    gpu.close()
+
+
+@pytest.mark.parametrize("penalty", ["none", "l1"])
+def test_host_input_matches_the_reference_with_weights_and_no_intercept(penalty):
+    rng = np.random.default_rng(3)
+    batches = _stream(12, [3000, 2500, 700], "float64", seed=3)
+    weights = [rng.integers(0, 4, size=len(y)).astype(np.float64) for _, y in batches]
+    for w in weights:
+        w[0] = 1.0
+    config = HuberConfig(penalty=penalty, fit_intercept=False)
+    gpu, _ = _differential(config, batches, weights=weights)
+    gpu.close()
+
+
+@pytest.mark.parametrize("dtype", ["float64", "float32"])
+def test_rank_deficient_design_takes_the_fallback_like_the_reference(dtype):
+    batches = []
+    for X, y in _stream(6, [800, 800, 500], dtype, seed=11):
+        batches.append((np.ascontiguousarray(np.column_stack([X, X[:, 2]])), y))
+    config = HuberConfig(ridge=0.0, dtype=dtype)
+    gpu, _ = _differential(config, batches)
+    beta = gpu.coefficients()
+    # the duplicated column's coefficients share the weight (minimum norm)
+    _assert_close(beta[2], beta[6], dtype, "duplicate columns")
+    gpu.close()
+
+
+@pytest.mark.parametrize("case", load_cases(), ids=lambda c: c.name)
+def test_golden_corpus_replays_on_the_gpu(case):
+    replay_case(case, lambda config: GpuEngine(config))
+
+
+class _DeviceInputEngine:
+    """Feeds the golden corpus through CuPy arrays."""
+
+    def __init__(self, config):
+        self.engine = GpuEngine(config)
+
+    def partial_fit(self, X, y, sample_weight=None):
+        w = None if sample_weight is None else cp.asarray(sample_weight)
+        return self.engine.partial_fit(cp.asarray(X), cp.asarray(y), w)
+
+    def export_state(self):
+        return self.engine.export_state()
+
+
+@pytest.mark.parametrize("case", load_cases()[:3], ids=lambda c: c.name)
+def test_golden_corpus_replays_with_device_input(case):
+    replay_case(case, _DeviceInputEngine)
+
+
+@pytest.mark.parametrize("penalty", ["none", "l1"])
+def test_host_device_graph_and_prefetch_paths_give_identical_bits(penalty):
+    batches = _stream(20, [5000, 5000, 1200], "float64", seed=5)
+    config = HuberConfig(penalty=penalty)
+    states = []
+    for mode in ("host", "device", "eager", "stream"):
+        engine = GpuEngine(config, graphs=mode != "eager")
+        if mode == "stream":
+            list(engine.partial_fit_stream(batches))
+        for X, y in batches if mode != "stream" else ():
+            if mode == "device":
+                engine.partial_fit(cp.asarray(X), cp.asarray(y))
+            else:
+                engine.partial_fit(X, y)
+        states.append(engine.export_state())
+        engine.close()
+    for other in states[1:]:
+        assert other.equals(states[0])
+
+
+def test_repeated_runs_are_bit_identical():
+    batches = _stream(40, [20000, 20000], "float32", seed=9)
+    config = HuberConfig(dtype="float32", penalty="l1")
+    runs = []
+    for _ in range(2):
+        engine = GpuEngine(config)
+        for X, y in batches:
+            engine.partial_fit(X, y)
+        runs.append(engine.export_state())
+        engine.close()
+    assert runs[0].equals(runs[1])
+
+
+def test_dlpack_tensors_from_torch_are_used_without_copies():
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("PyTorch without CUDA")
+    batches = _stream(10, [3000, 3000], "float64", seed=2)
+    config = HuberConfig()
+    a, b = GpuEngine(config), GpuEngine(config)
+    for X, y in batches:
+        a.partial_fit(torch.from_numpy(X).cuda(), torch.from_numpy(y).cuda())
+        b.partial_fit(cp.asarray(X), cp.asarray(y))
+    assert a.export_state().equals(b.export_state())
+    out = a.predict(torch.from_numpy(batches[0][0]).cuda())
+    assert isinstance(out, cp.ndarray)
+    with pytest.raises(ValidationError, match="contiguous"):
+        X = torch.from_numpy(batches[0][0]).cuda()
+        a.partial_fit(X.t(), torch.from_numpy(batches[0][1][:10]).cuda())
+    with pytest.raises(ValidationError, match="dtype"):
+        X, y = batches[0]
+        a.partial_fit(torch.from_numpy(X).cuda().float(), torch.from_numpy(y).cuda().float())
+
+
+def test_bad_device_inputs_raise_clear_errors_and_leave_the_state_alone():
+    X, y = _stream(5, [1000], "float64")[0]
+    engine = GpuEngine(HuberConfig())
+    engine.partial_fit(X, y)
+    before = engine.export_state()
+    Xd, yd = cp.asarray(X), cp.asarray(y)
+    cases = [
+        ((Xd.astype(cp.float32), yd.astype(cp.float32)), "dtype"),
+        ((cp.asfortranarray(Xd), yd), "contiguous"),
+        ((cp.asarray(np.column_stack([X, X]))[:, ::2], yd), "contiguous"),
+        ((Xd, y), "on the host or all on the device"),
+        ((cp.ascontiguousarray(Xd[:, :4]), yd), "features"),
+        ((Xd, yd[:-1]), "shape"),
+    ]
+    for args, message in cases:
+        with pytest.raises(ValidationError, match=message):
+            engine.partial_fit(*args)
+    bad = Xd.copy()
+    bad[17, 3] = cp.nan
+    with pytest.raises(ValidationError, match="finite"):
+        engine.partial_fit(bad, yd)
+    with pytest.raises(ValidationError, match="non-negative"):
+        engine.partial_fit(Xd, yd, -cp.ones_like(yd))
+    with pytest.raises(ValidationError, match="positive sum"):
+        engine.partial_fit(Xd, yd, cp.zeros_like(yd))
+    with pytest.raises(ValidationError, match="finite"):
+        bad_host = X.copy()
+        bad_host[3, 1] = np.inf
+        engine.partial_fit(bad_host, y)
+    assert engine.export_state().equals(before)
+    # and the stream still continues exactly as an undisturbed one would
+    engine.partial_fit(X, y)
+    twin = GpuEngine(HuberConfig())
+    twin.partial_fit(X, y)
+    twin.partial_fit(X, y)
+    assert engine.export_state().equals(twin.export_state())
+
+
+def test_other_device_is_refused():
+    if _device_count() < 2:
+        X, y = _stream(5, [100], "float64")[0]
+        engine = GpuEngine(HuberConfig(), device="cuda:0")
+        with pytest.raises(EngineUnavailableError, match="does not exist"):
+            GpuEngine(HuberConfig(), device=f"cuda:{_device_count()}")
+        with pytest.raises(EngineUnavailableError, match="CUDA device"):
+            GpuEngine(HuberConfig(), device="cpu")
+        engine.partial_fit(X, y)
+        return
+    X, y = _stream(5, [100], "float64")[0]
+    engine = GpuEngine(HuberConfig(), device="cuda:0")
+    with cp.cuda.Device(1):
+        Xd, yd = cp.asarray(X), cp.asarray(y)
+    with pytest.raises(ValidationError, match="cuda:1"):
+        engine.partial_fit(Xd, yd)
+
+
+def test_predict_returns_the_input_kind():
+    batches = _stream(8, [2000], "float32")
+    engine = GpuEngine(HuberConfig(dtype="float32"))
+    engine.partial_fit(*batches[0])
+    X = batches[0][0]
+    host = engine.predict(X)
+    dev = engine.predict(cp.asarray(X))
+    assert isinstance(host, np.ndarray) and isinstance(dev, cp.ndarray)
+    _assert_close(cp.asnumpy(dev), host, "float32", "prediction")
+
+
+def test_checkpoint_continues_gpu_cpu_gpu(tmp_path):
+    batches = _stream(7, [2000, 2000, 2000, 2000], "float64", seed=4)
+    config = HuberConfig(penalty="l1")
+    ref = NumpyEngine(config)
+    for X, y in batches:
+        ref.partial_fit(X, y)
+    gpu = GpuEngine(config)
+    for X, y in batches[:2]:
+        gpu.partial_fit(X, y)
+    cpu = NumpyEngine(config)
+    cpu.import_state(gpu.export_state())
+    cpu.partial_fit(*batches[2])
+    gpu2 = GpuEngine(config)
+    gpu2.import_state(cpu.export_state())
+    gpu2.partial_fit(*batches[3])
+    _assert_states_close(gpu2.export_state(), ref.export_state(), "float64", "engines")
+
+    # the same through the estimator's checkpoints
+    model = RenewableHuberRegressor(engine="gpu", penalty="l1")
+    for X, y in batches[:2]:
+        model.partial_fit(X, y)
+    model.save(tmp_path / "a.npz")
+    on_cpu = RenewableHuberRegressor.load(tmp_path / "a.npz", engine="numpy")
+    on_cpu.partial_fit(*batches[2])
+    on_cpu.save(tmp_path / "b.npz")
+    back = RenewableHuberRegressor.load(tmp_path / "b.npz", engine="gpu")
+    back.partial_fit(*batches[3])
+    assert back.engine_ == "gpu"
+    _assert_states_close(back.state_, ref.export_state(), "float64", "estimator")
+
+
+def test_estimator_with_device_arrays_predicts_on_the_device():
+    X, y = _stream(6, [3000], "float64")[0]
+    model = RenewableHuberRegressor(engine="gpu", device="cuda:0")
+    model.fit(cp.asarray(X), cp.asarray(y))
+    out = model.predict(cp.asarray(X))
+    assert isinstance(out, cp.ndarray)
+    ref = RenewableHuberRegressor(engine="numpy").fit(X, y)
+    _assert_close(model.coef_, ref.coef_, "float64", "coef_")
+    _assert_close(cp.asnumpy(out), ref.predict(X), "float64", "predict")
+
+
+def test_long_stream_reuses_device_memory():
+    config = HuberConfig(dtype="float32")
+    engine = GpuEngine(config)
+    pool = cp.get_default_memory_pool()
+    batches = _stream(24, [4096] * 6, "float32", seed=1)
+    used = []
+    for i in range(60):
+        X, y = batches[i % len(batches)]
+        if i % 2:
+            engine.partial_fit(cp.asarray(X), cp.asarray(y))
+        else:
+            engine.partial_fit(X, y)
+        cp.cuda.Device().synchronize()
+        if i in (9, 59):
+            used.append(pool.used_bytes())
+    assert used[0] == used[1]
+    assert engine.batch_count == 60
+
+
+def test_strict_ieee_math_mode():
+    engine = GpuEngine(HuberConfig(dtype="float32"))
+    assert engine.cublas_math_mode == 0  # CUBLAS_DEFAULT_MATH: no TF32
+
+
+@pytest.mark.parametrize("cholesky", ["kernel", "cusolver"])
+@pytest.mark.parametrize("dtype", ["float64", "float32"])
+def test_both_cholesky_paths_match_the_reference(cholesky, dtype):
+    batches = _stream(90, [4096, 4096, 1500], dtype, seed=12)
+    config = HuberConfig(dtype=dtype)
+    ref = NumpyEngine(config)
+    gpu = GpuEngine(config, cholesky=cholesky)
+    noise = 0.0 if dtype == "float32" else None
+    for i, (X, y) in enumerate(batches):
+        d_ref = ref.partial_fit(X, y)
+        d_gpu = gpu.partial_fit(X, y)
+        s_gpu, s_ref = gpu.export_state(), ref.export_state()
+        if noise is not None:
+            noise = noise + _kappa_noise(
+                config, X, y, None, s_gpu.coefficients, s_ref.coefficients, d_ref.bandwidth
+            )
+        _assert_states_close(s_gpu, s_ref, dtype, f"batch {i}", noise)
+        assert d_gpu.converged == d_ref.converged
+    assert gpu._small_solve == (cholesky == "kernel")

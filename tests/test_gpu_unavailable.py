@@ -1,0 +1,64 @@
+"""The GPU engine's CPU-side behaviour: importable without CuPy, clear refusals.
+
+These tests run everywhere (CI has no GPU); the device tests are in
+tests/test_gpu_engine.py.
+"""
+
+from __future__ import annotations
+
+import re
+
+import numpy as np
+import pytest
+
+import gpu_engine
+from gpu_engine import layout
+from gpu_engine.kernels import KERNEL_NAMES, SOURCE
+from rh_dask import HuberConfig, RenewableHuberRegressor
+from rh_dask.engines import make_engine
+from rh_dask.exceptions import EngineUnavailableError
+
+
+def _gpu_present() -> bool:
+    try:
+        import cupy
+
+        return cupy.cuda.runtime.getDeviceCount() > 0
+    except Exception:
+        return False
+
+
+def test_engine_refuses_to_start_without_cupy_or_gpu():
+    if _gpu_present():
+        pytest.skip("a CUDA GPU is present: the refusal path cannot be exercised here")
+    with pytest.raises(EngineUnavailableError, match=r"CuPy|GPU|CUDA"):
+        gpu_engine.GpuEngine(HuberConfig())
+    with pytest.raises(EngineUnavailableError, match=r"CuPy|GPU|CUDA"):
+        make_engine("gpu", HuberConfig(), "cuda:0")
+    X = np.random.default_rng(0).normal(size=(20, 3))
+    with pytest.raises(EngineUnavailableError):
+        RenewableHuberRegressor(engine="gpu").fit(X, X[:, 0])
+
+
+def test_every_layout_constant_the_kernels_use_is_defined():
+    source = SOURCE.read_text()
+    used = set(re.findall(r"\bRH_[A-Z0-9_]+\b", source))
+    defined = set(re.findall(r"#define (RH_[A-Z0-9_]+) ", layout.cuda_defines()))
+    assert used <= defined, sorted(used - defined)
+    for name in KERNEL_NAMES:
+        assert re.search(rf"\b{name}\(", source), name
+
+
+def test_control_block_fields_do_not_overlap():
+    params = [v for k, v in vars(layout).items() if k.startswith("P_")]
+    solver = [v for k, v in vars(layout).items() if k.startswith("S_")]
+    ints = [v for k, v in vars(layout).items() if k.startswith("I_")]
+    assert len(set(params)) == len(params) and max(params) < layout.N_PARAM
+    assert len(set(solver)) == len(solver)
+    assert layout.N_PARAM <= min(solver) and max(solver) < layout.N_DOUBLE
+    assert len(set(ints)) == len(ints) and max(ints) < layout.N_INT
+    # the status mirror copies the doubles and the ints as whole doubles
+    assert layout.N_INT % 2 == 0
+    # the contract's 27 backtracking steps fit in one warp; 40 LAMM trials in whole rounds
+    assert 2.0**-layout.LINE_SEARCH_STEPS < 1e-8 <= 2.0 ** -(layout.LINE_SEARCH_STEPS - 1)
+    assert layout.LINE_SEARCH_STEPS <= 32 and 40 % layout.LAMM_ROUND == 0
