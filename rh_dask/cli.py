@@ -38,6 +38,7 @@ from .exceptions import (
     StreamError,
     ValidationError,
 )
+from .jobs import DEFAULT_TRAJECTORY_POINTS
 
 __all__ = [
     "EXIT_CLUSTER",
@@ -198,7 +199,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="write the generated data here and keep it (default: "
         "a temporary directory, removed afterwards)",
     )
-    _add_report_options(demo, "default: one per chunk, at most 32")
+    _add_report_options(demo, f"default: {DEFAULT_TRAJECTORY_POINTS}, at most one per chunk")
     _add_model_options(demo)
     _add_cluster_options(demo)
     demo.set_defaults(handler=_cmd_demo)
@@ -217,7 +218,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--output", required=True, type=Path, metavar="MODEL.npz", help="where to save the model"
     )
     fit.add_argument("--report", type=Path, metavar="DIR", help="write report.json and plots")
-    _add_report_options(fit, "default with --report: 20, else 1")
+    _add_report_options(fit, f"default with --report: {DEFAULT_TRAJECTORY_POINTS}, else 1")
     _add_model_options(fit)
     _add_cluster_options(fit)
     fit.set_defaults(handler=_cmd_fit)
@@ -402,7 +403,9 @@ def _cmd_fit(args: argparse.Namespace, argv: Sequence[str]) -> int:
     if args.report is not None:
         require("matplotlib", "report", "--report")
         _check_output_dir(args.report)
-    points = args.trajectory_points or (20 if args.report is not None else 1)
+    points = args.trajectory_points or (
+        DEFAULT_TRAJECTORY_POINTS if args.report is not None else 1
+    )
     start = time.perf_counter()
     table = open_table(
         args.input,
@@ -518,7 +521,7 @@ def _cmd_demo(args: argparse.Namespace, argv: Sequence[str]) -> int:
     out.mkdir(parents=True, exist_ok=True)
     spec = StreamSpec(n_features=args.features, seed=args.seed)
     n_chunks = -(-args.rows // args.chunk_rows)
-    points = args.trajectory_points or min(n_chunks, 32)
+    points = args.trajectory_points or min(n_chunks, DEFAULT_TRAJECTORY_POINTS)
     scratch = None
     if args.data_dir is None:
         scratch = Path(tempfile.mkdtemp(prefix="rh-dask-demo-"))

@@ -34,14 +34,16 @@ def _empty(ax: Any, text: str) -> None:
 
 
 def coefficients(trajectory: dict[str, Any], path: Path, truth: np.ndarray | None = None) -> Path:
-    """Coefficients after each segment of the stream, against chunks consumed.
+    """Coefficients after each segment of the stream, and their distance to the end.
 
-    At most :data:`MAX_LINES` coefficients are drawn: the intercept, and the
-    features with the largest final magnitude. ``truth`` (intercept last)
-    adds dotted reference lines in the same colours.
+    The upper panel draws at most :data:`MAX_LINES` coefficients: the
+    intercept, and the features with the largest final magnitude; ``truth``
+    (intercept last) adds dotted reference lines in the same colours. The
+    lower panel shows how far the whole vector still was from its final
+    value, ‖β − β_final‖₂, on a log scale: how fast the stream settled.
     """
-    fig = Figure(figsize=(8.0, 4.8), layout="constrained")
-    ax = fig.add_subplot()
+    fig = Figure(figsize=(8.0, 6.4), layout="constrained")
+    ax, settle = fig.subplots(2, 1, sharex=True, height_ratios=[2.2, 1])
     betas = np.asarray(trajectory["coefficients"], dtype=float)
     names = list(trajectory["names"])
     x = np.asarray(trajectory["after_chunk"])
@@ -67,10 +69,19 @@ def coefficients(trajectory: dict[str, Any], path: Path, truth: np.ndarray | Non
     if truth is not None:
         title += "; dotted: truth"
     ax.set_title(title)
-    ax.set_xlabel("chunks consumed")
     ax.set_ylabel("coefficient")
     ax.grid(alpha=0.3)
     ax.legend(loc="center left", bbox_to_anchor=(1.01, 0.5), fontsize="small", frameon=False)
+    distance = np.linalg.norm(betas[:-1] - betas[-1], axis=1)
+    if distance.size and np.any(distance > 0):
+        settle.semilogy(
+            x[:-1], np.where(distance > 0, distance, np.nan), marker=marker, color="0.3"
+        )
+    else:
+        _empty(settle, "a single snapshot: nothing to compare with the end")
+    settle.set_ylabel("‖β − β_final‖₂")
+    settle.set_xlabel("chunks consumed")
+    settle.grid(alpha=0.3)
     return _save(fig, path)
 
 
