@@ -6,23 +6,28 @@ a few hundred bytes of control data per iteration. One batch runs as:
 1. ``rh_build``: the design matrix Z = [X, 1] in an aligned workspace, y and
    w copied, the batch validated (non-finite values, negative weights, Σw),
    all in one pass.
-2. Newton (unpenalised), per iteration: ``rh_newton_eval`` (r, ψ, κ and the
-   scaled rows M = [wκ ⊙ Z | wψ]), one GEMM C = Zᵀ M giving the Gram matrix
-   and the gradient, ``rh_newton_assemble`` (H and g), cuSOLVER
-   ``potrf``/``potrs`` and ``rh_newton_search``, which evaluates all 27
-   backtracking steps in one pass and whose last block decides the step,
-   updates β and tests convergence on the device.
+2. Newton (unpenalised), one step per iteration: the Cholesky solve
+   (``rh_newton_solve``, a fused one-block kernel for p ≤ 32, else
+   ``rh_newton_assemble`` + cuSOLVER ``potrf``/``potrs``), then
+   ``rh_newton_search``, which evaluates all 27 backtracking steps in one pass
+   and whose last block decides the step, updates β and tests convergence on
+   the device, then ``rh_newton_eval`` (r, ψ, κ, the scaled rows
+   M = [wκ ⊙ Z | wψ] and the loss) and one GEMM C = Zᵀ M (Gram matrix and
+   gradient) at the new β: the next iteration's start and, when the search
+   ended the solve, the commit's input; ``rh_commit_finish`` then commits
+   (objective, J += Gram, β) and is a no-op otherwise.
    LAMM (L1), per round: ``rh_lamm_eval`` (r and g in one pass) and
    ``rh_lamm_trials`` (8 majorisation trials in one pass; the last block
-   accepts the first that passes). Rounds are queued several at a time;
-   kernels of a finished solve return at once.
-3. Commit: ``rh_commit_eval`` (κ at the final β and the loss), the Gram GEMM
-   and ``rh_commit_finish`` (objective, J += Gram, β).
+   accepts the first that passes). Rounds are queued several at a time,
+   followed by the commit (``rh_commit_eval``, the GEMM, ``rh_commit_finish``);
+   kernels of a finished solve, and the commit of an unfinished one, return
+   at once.
 
 The host reads a host-mapped status block after each synchronisation: one
-per Newton iteration, one per queue of LAMM rounds, one for the commit. The
-iteration bodies can be captured as CUDA graphs (``graphs=True``), which
-replaces the launches of an iteration by one graph launch.
+per Newton iteration, one per queue of LAMM rounds (one more for a weighted
+batch, whose Σw sets N, h and λ). Each step is captured once as a CUDA graph
+(``graphs=True``) and replayed; launches outside graphs go through
+pre-packed ``cuLaunchKernel`` parameter blocks.
 
 Decisions follow the NumPy reference exactly (:mod:`rh_dask.core`): the same
 schedule, the same difference form of the line-search and LAMM tests, the
@@ -55,9 +60,11 @@ __all__ = ["GpuEngine"]
 
 
 #: ``cholesky="auto"`` takes the fused kernel up to this p. Measured on an H200
-#: (benchmarks/results/shape_sweep.json, rh_gpu_cusolver): the kernel wins at
-#: p = 17 (0.42 vs 0.47 ms per stream), ties or loses at p = 33 and loses at
-#: p = 91 (4.95 vs 3.35 ms), where its one-block factorisation is latency-bound.
+#: (benchmarks/results/shape_sweep*.json, rh_gpu_kernel vs rh_gpu_cusolver and
+#: the earlier run that used the kernel up to p = 256): the kernel wins at
+#: p = 17 (0.42 vs 0.47 ms per stream), is within noise at p = 33 and loses at
+#: p = 91 (5.0-5.2 vs 3.4-3.5 ms), where its one-block factorisation is
+#: latency-bound.
 _FUSED_SOLVE_MAX_P = 32
 
 
