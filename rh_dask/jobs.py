@@ -23,7 +23,9 @@ from typing import Any
 
 import numpy as np
 import pandas as pd
+from tqdm.auto import tqdm
 
+from .distributed.progress import progress_enabled
 from .estimator import RenewableHuberRegressor
 from .exceptions import EngineUnavailableError, ValidationError
 from .io import Table, stable_partitions, take_chunks
@@ -120,13 +122,40 @@ def _segments(n_chunks: int, points: int) -> list[tuple[int, int]]:
 
 def _walk(model: RenewableHuberRegressor, table: Table, points: int) -> tuple[Any, Trajectory]:
     """Fit ``table`` in segments; return the history offsets and the trajectory."""
+    segments = _segments(table.n_chunks, points)
+    if len(segments) == 1:
+        return _walk_segments(model, table, segments, None)
+    # One bar for the whole stream, not one per segment: the estimator's own
+    # bar is switched off for the segment calls and restored afterwards.
+    wanted = model.progress
+    bar = tqdm(
+        total=table.n_chunks,
+        unit="chunk",
+        desc="rh-dask fit",
+        disable=not progress_enabled(wanted),
+        dynamic_ncols=True,
+    )
+    model.set_params(progress=False)
+    try:
+        return _walk_segments(model, table, segments, bar)
+    finally:
+        model.set_params(progress=wanted)
+        bar.close()
+
+
+def _walk_segments(
+    model: RenewableHuberRegressor,
+    table: Table,
+    segments: list[tuple[int, int]],
+    bar: Any | None,
+) -> tuple[Any, Trajectory]:
     trajectory = Trajectory()
     offsets: list[tuple[int, int]] = []  # (first history row of a segment, its first chunk)
     placements = []
     start = time.perf_counter()
     model.reset()
     X, y, weight = table.fit_inputs()
-    for first, stop in _segments(table.n_chunks, points):
+    for first, stop in segments:
         before = _history_length(model)
         try:
             model.partial_fit(
@@ -135,7 +164,7 @@ def _walk(model: RenewableHuberRegressor, table: Table, points: int) -> tuple[An
                 weight if isinstance(weight, str) else take_chunks(weight, first, stop),
             )
         except ValidationError:
-            if hasattr(model, "n_features_in_") or points == 1:
+            if hasattr(model, "n_features_in_") or len(segments) == 1:
                 raise
             # The leading segment held only empty chunks (or the input is bad):
             # a single fit over the whole stream settles which, without segments.
@@ -148,6 +177,10 @@ def _walk(model: RenewableHuberRegressor, table: Table, points: int) -> tuple[An
         trajectory.rows.append(int(model.n_samples_seen_))
         trajectory.elapsed.append(time.perf_counter() - start)
         trajectory.coefficients.append(_beta(model))
+        if bar is not None:
+            rate = trajectory.rows[-1] / max(trajectory.elapsed[-1], 1e-9)
+            bar.set_postfix_str(f"{rate:,.0f} rows/s", refresh=False)
+            bar.update(stop - first)
     return (offsets, placements), trajectory
 
 
