@@ -277,7 +277,23 @@ def stop_cluster(cluster: Any, client: Any, extra: list[Any]) -> None:
 
 
 # -- the methods ------------------------------------------------------------------------------
-def run_rh_dask(args, directory, chunk_rows, loader, lookahead, client) -> dict[str, Any]:
+def run_rh_dask(
+    args, directory, chunk_rows, loader, lookahead, client, switch=None
+) -> dict[str, Any]:
+    from rh_dask.distributed import coordinator
+
+    default = coordinator.ENGINE_SWITCH_INTERVAL
+    if switch is not None:
+        coordinator.ENGINE_SWITCH_INTERVAL = switch
+    try:
+        result = _run_rh_dask(args, directory, chunk_rows, loader, lookahead)
+    finally:
+        coordinator.ENGINE_SWITCH_INTERVAL = default
+    result["engine_switch_interval"] = switch if switch is not None else default
+    return result
+
+
+def _run_rh_dask(args, directory, chunk_rows, loader, lookahead) -> dict[str, Any]:
     X, y = dask_inputs(directory, chunk_rows)
     params = dict(engine=args.engine, dtype=args.dtype, progress=False)
     # Warm-up: worker imports, engine start-up (CUDA context, kernel compilation).
@@ -315,7 +331,9 @@ def run_incremental(args, directory, chunk_rows, rows, client) -> dict[str, Any]
     model = make()
     wall, _, mem = measure(lambda: model.fit(X, y))
     est = model.estimator_
-    coef = np.concatenate([np.ravel(est.coef_), [float(est.intercept_)]])
+    # renewable-huber's CuPy backend keeps its coefficients on the device.
+    coef_ = est.coef_.get() if hasattr(est.coef_, "get") else np.asarray(est.coef_)
+    coef = np.concatenate([np.ravel(coef_), [float(est.intercept_)]])
     return {
         "wall_seconds": wall,
         "rows": rows,
@@ -422,6 +440,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=None, help="threads of the engine's worker")
     p.add_argument("--lookahead", type=int, default=8)
     p.add_argument("--lookahead-sweep", default="", help="extra look-aheads (first chunk size)")
+    p.add_argument(
+        "--switch-intervals",
+        default="",
+        help="extra runs (every chunk size) with these thread switch intervals on the "
+        "engine's worker, seconds",
+    )
     p.add_argument("--opponent-rows", type=int, default=None, help="rows for the opponents")
     p.add_argument("--skip", default="", help="comma list of methods to skip")
     p.add_argument(
@@ -437,6 +461,7 @@ def main(argv: list[str] | None = None) -> int:
     threads = args.threads or max(1, cores - 4)
     sizes = [int(s) for s in args.chunk_rows.split(",") if s]
     sweep = [int(s) for s in args.lookahead_sweep.split(",") if s]
+    switches = [float(s) for s in args.switch_intervals.split(",") if s]
     skip = set(args.skip.split(",")) - {""}
     tmp = Path(os.environ.get("TMPDIR", "/tmp"))
     directory = Path(args.data_dir or tmp / f"rh-dask-bench-{args.rows}x{args.features}")
@@ -469,6 +494,13 @@ def main(argv: list[str] | None = None) -> int:
             for k in ks:
                 name = f"rh_dask[engine-worker,K={k}]"
                 run = partial(run_rh_dask, args, directory, size, "engine-worker", k, client)
+                guarded(methods, name, run)
+                print(name, methods[name].get("wall_seconds"), flush=True)
+            for si in switches:
+                name = f"rh_dask[engine-worker,K={args.lookahead},switch={si}]"
+                run = partial(
+                    run_rh_dask, args, directory, size, "engine-worker", args.lookahead, client, si
+                )
                 guarded(methods, name, run)
                 print(name, methods[name].get("wall_seconds"), flush=True)
             if "incremental" not in skip:

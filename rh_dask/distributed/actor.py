@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import sys
 from typing import Any
 
 from distributed import get_worker
@@ -40,6 +41,12 @@ class EngineActor:
     blas_threads : int or None
         BLAS threads for engine calls (see
         :data:`~rh_dask.distributed.consumer.STREAM_BLAS_THREADS`).
+    switch_interval : float or None
+        The interpreter's thread switch interval (seconds) on this worker while
+        a stream runs (``None``: unchanged); restored when the stream ends.
+        The engine thread shares the GIL with the threads loading chunks and
+        with the worker's event loop; each time it gets the GIL back after a
+        device synchronisation it may wait up to this interval.
     """
 
     def __init__(
@@ -48,7 +55,10 @@ class EngineActor:
         config: HuberConfig,
         device: Any = None,
         blas_threads: int | None = None,
+        switch_interval: float | None = None,
     ) -> None:
+        self._switch_interval = switch_interval
+        self._saved_interval: float | None = None
         self._consumer = OrderedConsumer(
             lambda: make_engine(engine, config, device), blas_threads=blas_threads
         )
@@ -66,14 +76,26 @@ class EngineActor:
     def begin(self, stream_id: str, state: HuberState | None) -> None:
         """Start a stream from ``state`` (``None``: the empty state)."""
         self._consumer.begin(stream_id, state)
+        if self._switch_interval is not None and self._saved_interval is None:
+            self._saved_interval = sys.getswitchinterval()
+            sys.setswitchinterval(self._switch_interval)
 
     def end(self, stream_id: str, n_records: int = 0) -> tuple[HuberState | None, Progress]:
         """Stop the stream; the state after the last consumed chunk and the final progress."""
-        return self._consumer.end(stream_id, n_records)
+        try:
+            return self._consumer.end(stream_id, n_records)
+        finally:
+            self._restore_interval()
 
     def close(self) -> None:
         """Stop the engine thread."""
+        self._restore_interval()
         self._consumer.close()
+
+    def _restore_interval(self) -> None:
+        if self._saved_interval is not None:
+            sys.setswitchinterval(self._saved_interval)
+            self._saved_interval = None
 
     def deliver(self, stream_id: str, item: ChunkItem) -> bool:
         """In-process hand-over from a chunk task on this worker (not an RPC)."""

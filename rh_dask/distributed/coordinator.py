@@ -52,6 +52,10 @@ START_CHECK_SECONDS = 1.0
 
 LOADERS = ("auto", "engine-worker", "cluster")
 
+#: Thread switch interval (seconds) on the engine's worker while a stream runs
+#: (see ``EngineActor``); ``None`` leaves the interpreter's 5 ms default.
+ENGINE_SWITCH_INTERVAL: float | None = None
+
 
 @dataclass
 class ClusterOutcome:
@@ -182,6 +186,7 @@ class ClusterWalk:
             self.config,
             self.device,
             self.blas_threads,
+            ENGINE_SWITCH_INTERVAL,
             actor=True,
             workers=[host.address],
             allow_other_workers=False,
