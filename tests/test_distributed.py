@@ -334,6 +334,24 @@ def test_interrupted_walk_keeps_the_consumed_chunks(client, monkeypatch):
     np.testing.assert_array_equal(model.state_.coefficients, ref.state_.coefficients)
 
 
+def _switch_interval(dask_worker=None):
+    import sys
+
+    return sys.getswitchinterval()
+
+
+def test_switch_interval_is_set_for_the_stream_and_restored(client, monkeypatch):
+    import rh_dask.distributed.coordinator as coordinator
+
+    before = client.run(_switch_interval)
+    monkeypatch.setattr(coordinator, "ENGINE_SWITCH_INTERVAL", 0.001)
+    X, y, _ = _data(n=1_000, seed=26)
+    RenewableHuberRegressor(progress=False).fit(
+        da.from_array(X, chunks=(500, 5)), da.from_array(y, 500)
+    )
+    assert client.run(_switch_interval) == before
+
+
 # -- refits, continuation and parameters --------------------------------------------------
 def test_fit_twice_resets(client, snapshot, assert_unchanged):
     X, y, _ = _data(n=2_000, seed=14)
