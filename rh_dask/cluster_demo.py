@@ -18,7 +18,8 @@ import numpy as np
 import pandas as pd
 
 from .datasets import StreamSpec
-from .io import Table, stable_partitions
+from .distributed.chunks import stable_partitions
+from .io import Table
 
 __all__ = ["DemoComparison", "compare", "least_squares", "write_stream"]
 

@@ -23,11 +23,10 @@ Nothing is read here beyond metadata: every collection is lazy.
 
 from __future__ import annotations
 
-import contextlib
 import glob
 import os
 import shutil
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -47,7 +46,6 @@ __all__ = [
     "Table",
     "detect_format",
     "open_table",
-    "stable_partitions",
     "write_predictions",
 ]
 
@@ -121,22 +119,6 @@ class Table:
             weight = None if self.sample_weight is None else self.sample_weight.name
             return self.frame, self.y.name, weight
         return self.X, self.y, self.sample_weight
-
-
-@contextlib.contextmanager
-def stable_partitions() -> Iterator[None]:
-    """Keep a table's partitions as they are on disk while graphs are built.
-
-    Dask's optimizer may merge neighbouring Parquet partitions when only a
-    few columns are read (the "tune" stage). Batch boundaries change the
-    estimate, and two collections tuned differently no longer line up chunk
-    by chunk, so the command line builds its graphs with that stage off:
-    a batch is a Parquet file (or row group), a CSV block, a chunk.
-    """
-    import dask
-
-    with dask.config.set({"optimization.tune.active": False}):
-        yield
 
 
 def _is_array(collection: Any) -> bool:

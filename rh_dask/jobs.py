@@ -25,10 +25,11 @@ import numpy as np
 import pandas as pd
 from tqdm.auto import tqdm
 
+from .distributed.chunks import stable_partitions
 from .distributed.progress import progress_enabled
 from .estimator import RenewableHuberRegressor
 from .exceptions import EngineUnavailableError, ValidationError
-from .io import Table, stable_partitions, take_chunks
+from .io import Table, take_chunks
 
 __all__ = ["DEFAULT_TRAJECTORY_POINTS", "FitOutcome", "Trajectory", "fit_table", "resolve_engine"]
 

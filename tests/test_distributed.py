@@ -548,3 +548,26 @@ def test_losing_the_actor_worker_raises_not_hangs():
             model.fit(Xd, da.from_array(y, 500))
         assert time.perf_counter() - start < 60
         assert not hasattr(model, "n_features_in_")
+
+
+@pytest.mark.parametrize("separate_target", [False, True])
+def test_parquet_projection_keeps_file_partitions(
+    client, tmp_path, separate_target, snapshot, assert_unchanged
+):
+    # Reading 3 of 40 columns would let dask's optimiser merge neighbouring
+    # files into one partition; the batches must stay the partitions the user sees.
+    rng = np.random.default_rng(11)
+    columns = [f"c{i}" for i in range(39)] + ["target"]
+    for i in range(6):
+        frame = pd.DataFrame(rng.normal(size=(1_500, 40)), columns=columns)
+        frame.to_parquet(tmp_path / f"part{i:02d}.parquet")
+    ddf = dd.read_parquet(tmp_path)
+    feats = ["c0", "c1", "c2"]
+    if separate_target:
+        model = RenewableHuberRegressor(progress=False).fit(ddf[feats], ddf["target"])
+    else:
+        model = RenewableHuberRegressor(progress=False).fit(ddf[[*feats, "target"]], "target")
+    parts = [pd.read_parquet(tmp_path / f"part{i:02d}.parquet") for i in range(6)]
+    ref = _loop([(p[feats], p["target"], None) for p in parts])
+    assert model.history_["rows"].tolist() == [1_500] * 6
+    _same(model, ref, assert_unchanged, snapshot)

@@ -21,12 +21,14 @@ coordinator, the single-process path and out-of-core scoring.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import dask
 import dask.array as da
 import dask.dataframe as dd
 import numpy as np
@@ -233,6 +235,19 @@ def align_stream(X: Any, y: Any, sample_weight: Any | None) -> AlignedStream:
     )
 
 
+@contextlib.contextmanager
+def stable_partitions() -> Iterator[None]:
+    """Keep a collection's partitions as the user sees them while graphs are built.
+
+    Batches are the partitions (``npartitions``). Dask's optimiser may merge
+    neighbouring Parquet partitions when only a few columns are read (its
+    "tune" stage), which would silently change the batches, and could chunk X
+    and a separately built y differently; the stage is off inside this block.
+    """
+    with dask.config.set({"optimization.tune.active": False}):
+        yield
+
+
 def _chunk_keys(keys: Any, n: int) -> list[Key]:
     """One key per row chunk from a collection's (possibly nested) key list."""
     out = []
@@ -278,7 +293,8 @@ class ChunkGraph:
     graph: dict[Key, Any] = field(init=False)
 
     def __post_init__(self) -> None:
-        expr = collections_to_expr(list(self.stream.parts), optimize_graph=True).optimize()
+        with stable_partitions():
+            expr = collections_to_expr(list(self.stream.parts), optimize_graph=True).optimize()
         part_keys = expr.__dask_keys__()
         graph = dict(expr.__dask_graph__())
         n = self.stream.n_chunks
