@@ -307,7 +307,7 @@ def _run_rh_dask(args, directory, chunk_rows, loader, lookahead) -> dict[str, An
         "rows": int(X.shape[0]),
         "rows_per_second": X.shape[0] / wall,
         "engine_seconds_in_actor": float(history["seconds"].sum()),
-        "placement": model._last_placement,
+        "placement": model.placement_,
         "iterations_total": int(history["iterations"].sum()),
         **mem,
         "_coef": model.state_.coefficients,

@@ -39,6 +39,11 @@ def _is_dask_collection(obj: Any) -> bool:
     return is_dask_collection(obj)
 
 
+def _float64_copy(beta: Any) -> np.ndarray:
+    """A float64 host copy of β: exact for float32 engines, and never a view of engine memory."""
+    return np.array(beta, dtype=np.float64, copy=True)
+
+
 class RenewableHuberRegressor(RegressorMixin, BaseEstimator):
     """Renewable Huber regression: a robust linear model fitted batch by batch.
 
@@ -121,8 +126,22 @@ class RenewableHuberRegressor(RegressorMixin, BaseEstimator):
         the collection given to that call; 0 for an in-memory batch), ``rows``,
         ``iterations``, ``converged``, ``objective`` and ``seconds`` (engine
         time of the batch).
+    coef_history_ : ndarray of shape (n_batches, n_params)
+        β after each consumed batch since the last reset, in float64: row
+        ``b`` belongs to row ``b`` of ``history_`` and holds the coefficients
+        followed by the intercept when ``fit_intercept`` (so ``n_params`` is
+        ``n_features_in_ + fit_intercept``, and the last row equals ``coef_``
+        and ``intercept_``). Recorded by the engine after each batch, in the
+        actor for Dask streams. Not part of checkpoints: a model from
+        :meth:`load` starts with an empty history (zero rows).
     n_empty_chunks_ : int
         Zero-row chunks of Dask streams skipped since the last reset.
+    placement_ : dict or None
+        Where the engine ran for the last call that consumed a batch, when
+        that call walked a Dask collection on a ``distributed`` cluster: the
+        keys ``worker`` (address), ``loader`` (``"engine-worker"`` or
+        ``"cluster"``, ``"auto"`` resolved), ``engine`` and ``lookahead``.
+        ``None`` after an in-memory batch or a walk without a client.
 
     Examples
     --------
@@ -213,7 +232,9 @@ class RenewableHuberRegressor(RegressorMixin, BaseEstimator):
             "engine_",
             "_config",
             "_history",
+            "_coef_history",
             "_n_empty_chunks",
+            "_placement",
         ):
             self.__dict__.pop(name, None)
         return self
@@ -346,6 +367,9 @@ class RenewableHuberRegressor(RegressorMixin, BaseEstimator):
                 self.feature_names_in_ = feature_names
         self.diagnostics_ = diagnostics
         self.n_iter_ = diagnostics.iterations
+        # The batch ran on this process's engine, not on a cluster worker.
+        self._placement = None
+        self._coef_rows().append(_float64_copy(engine.coefficients()))
         self._history_rows().append(
             (
                 engine.batch_count - 1,
@@ -363,18 +387,25 @@ class RenewableHuberRegressor(RegressorMixin, BaseEstimator):
             self._history = []
         return self._history
 
+    def _coef_rows(self) -> list[np.ndarray]:
+        if "_coef_history" not in self.__dict__:
+            self._coef_history = []
+        return self._coef_history
+
     def _adopt_stream(
         self,
         config: HuberConfig,
         engine_name: str,
         state: HuberState,
         feature_names: np.ndarray | None,
-        records: list[tuple[int, int, BatchDiagnostics, float]],
+        records: list[tuple[int, int, BatchDiagnostics, float, np.ndarray]],
+        placement: dict[str, Any] | None = None,
     ) -> None:
         """Take over the state a remote engine reached (see :mod:`rh_dask.distributed`).
 
-        ``records`` are ``(chunk, rows, diagnostics, seconds)`` of the batches
-        that led there, in order.
+        ``records`` are ``(chunk, rows, diagnostics, seconds, coefficients)``
+        of the batches that led there, in order; ``placement`` is where that
+        engine ran (``placement_``).
         """
         if not records:
             return
@@ -393,7 +424,9 @@ class RenewableHuberRegressor(RegressorMixin, BaseEstimator):
                 self.feature_names_in_ = feature_names
         first = state.batch_count - len(records)
         history = self._history_rows()
-        for offset, (chunk, rows, diagnostics, seconds) in enumerate(records):
+        coefs = self._coef_rows()
+        for offset, (chunk, rows, diagnostics, seconds, beta) in enumerate(records):
+            coefs.append(_float64_copy(beta))
             history.append(
                 (
                     first + offset,
@@ -407,6 +440,7 @@ class RenewableHuberRegressor(RegressorMixin, BaseEstimator):
             )
         self.diagnostics_ = records[-1][2]
         self.n_iter_ = self.diagnostics_.iterations
+        self._placement = None if placement is None else dict(placement)
 
     def _count_empty_chunks(self, count: int) -> None:
         self._n_empty_chunks = self.__dict__.get("_n_empty_chunks", 0) + int(count)
@@ -419,10 +453,27 @@ class RenewableHuberRegressor(RegressorMixin, BaseEstimator):
         return frame.astype(dict(zip(HISTORY_COLUMNS, _HISTORY_DTYPES, strict=True)))
 
     @property
+    def coef_history_(self) -> np.ndarray:
+        """β after each batch since the last reset, shape (n_batches, n_params), float64."""
+        self._require_fitted()
+        n_params = self.n_features_in_ + int(self._config.fit_intercept)
+        rows = self._coef_rows()
+        if not rows:
+            return np.empty((0, n_params), dtype=np.float64)
+        return np.stack(rows)
+
+    @property
     def n_empty_chunks_(self) -> int:
         """Zero-row chunks skipped since the last reset."""
         self._require_fitted()
         return int(self.__dict__.get("_n_empty_chunks", 0))
+
+    @property
+    def placement_(self) -> dict[str, Any] | None:
+        """Where the engine of the last batch ran on a cluster (see the class docstring)."""
+        self._require_fitted()
+        placement = self.__dict__.get("_placement")
+        return None if placement is None else dict(placement)
 
     # -- fitted views ------------------------------------------------------------
     def __sklearn_is_fitted__(self) -> bool:

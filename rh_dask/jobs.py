@@ -171,7 +171,7 @@ def _walk_segments(
             # a single fit over the whole stream settles which, without segments.
             return None, Trajectory()
         offsets.append((before, first))
-        placement = getattr(model, "_last_placement", None)
+        placement = model.placement_
         if placement:
             placements.append(dict(placement, chunks=[first, stop]))
         trajectory.after_chunk.append(stop)
@@ -238,7 +238,7 @@ def fit_table(
             model.fit(*table.fit_inputs())
     if walked is None:
         offsets, placements = [(0, 0)], []
-        placement = getattr(model, "_last_placement", None)
+        placement = model.placement_
         if placement:
             placements.append(dict(placement, chunks=[0, table.n_chunks]))
         trajectory = Trajectory(

@@ -98,6 +98,8 @@ def model_snapshot(model: Any) -> dict[str, Any]:
         n_iter=getattr(model, "n_iter_", None),
         n_samples_seen=model.n_samples_seen_,
         engine=model.engine_,
+        # β after every batch since the reset: a refused batch must not add a row.
+        coef_history=model.coef_history_.copy(),
     )
     return snap
 

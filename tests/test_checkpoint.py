@@ -74,6 +74,12 @@ def test_save_load_continue_is_bit_identical(dtype, penalty, stream, tmp_path):
         assert resumed.state_.equals(uninterrupted.state_)
         assert resumed.diagnostics_ == uninterrupted.diagnostics_
     assert resumed.state_.coefficients.dtype == np.dtype(dtype)
+    # The checkpoint holds no history: the resumed model's starts at the load.
+    resumed_after = len(SIZES) - SPLIT
+    assert len(resumed.coef_history_) == len(resumed.history_) == resumed_after
+    np.testing.assert_array_equal(
+        resumed.coef_history_, uninterrupted.coef_history_[-resumed_after:]
+    )
 
 
 def test_engine_level_checkpoint_continues_bit_identically(stream, tmp_path):

@@ -93,9 +93,16 @@ def _row_blocks(X, y, w, chunks):
 
 
 def _same(a, b, assert_unchanged, snapshot):
+    """Same state, same per-batch history, and the same β after every batch, bit for bit."""
     assert_unchanged(snapshot(a), snapshot(b))
     cols = ["batch", "rows", "iterations", "converged", "objective"]
     pd.testing.assert_frame_equal(a.history_[cols], b.history_[cols])
+    betas = a.coef_history_
+    assert betas.dtype == np.float64 and len(betas) == len(a.history_)
+    # Bytes, not array_equal, which would take -0.0 for 0.0.
+    assert betas.tobytes() == b.coef_history_.tobytes()
+    final = np.append(a.coef_, a.intercept_) if a.fit_intercept else a.coef_
+    np.testing.assert_array_equal(betas[-1], final)  # the last row is the model's β
 
 
 # -- equality with the plain loop ---------------------------------------------------
@@ -109,7 +116,9 @@ def test_fit_equals_partial_fit_loop(client, loader, snapshot, assert_unchanged)
     model = RenewableHuberRegressor(loader=loader, lookahead=3, progress=False)
     model.fit(Xd, yd, sample_weight=wd)
     ref = _loop(_row_blocks(X, y, w, chunks))
-    assert model._last_placement["loader"] == loader
+    placement = model.placement_
+    assert placement["loader"] == loader and placement["engine"] == "numpy"
+    assert placement["lookahead"] == 3 and placement["worker"] in _workers(client)
     assert len(model.history_) == len(chunks)
     _same(model, ref, assert_unchanged, snapshot)
 
@@ -332,6 +341,7 @@ def test_interrupted_walk_keeps_the_consumed_chunks(client, monkeypatch):
     assert model.state_.batch_count == consumed
     ref = _loop(_row_blocks(X, y, None, [250] * consumed))
     np.testing.assert_array_equal(model.state_.coefficients, ref.state_.coefficients)
+    np.testing.assert_array_equal(model.coef_history_, ref.coef_history_)
 
 
 def _switch_interval(dask_worker=None):
@@ -367,11 +377,14 @@ def test_partial_fit_mixes_memory_and_dask_batches(client, snapshot, assert_unch
     X, y, _ = _data(n=2_000, seed=16)
     model = RenewableHuberRegressor(progress=False).partial_fit(X[:500], y[:500])
     model.partial_fit(da.from_array(X[500:1500], chunks=(500, 5)), da.from_array(y[500:1500], 500))
+    assert model.placement_["worker"] in _workers(client)
     model.partial_fit(X[1500:], y[1500:])
     ref = _loop(_row_blocks(X, y, None, [500] * 4))
     _same(model, ref, assert_unchanged, snapshot)
     assert model.history_["batch"].tolist() == [0, 1, 2, 3]
     assert model.history_["chunk"].tolist() == [0, 0, 1, 0]
+    # The last batch was in memory: it ran in this process, not on a worker.
+    assert model.placement_ is None
 
 
 @pytest.mark.parametrize(
@@ -449,7 +462,8 @@ def test_gpu_engine_is_placed_on_the_gpu_worker(client, snapshot, assert_unchang
         model.fit(da.from_array(X, chunks=(500, 5)), da.from_array(y, 500))
     finally:
         client.run(_restore_make_engine)
-    assert model._last_placement["worker"] == _gpu_worker(client)
+    assert model.placement_["worker"] == _gpu_worker(client)
+    assert model.placement_["engine"] == "gpu"
     assert model.engine_ == "gpu"
     ref = _loop(_row_blocks(X, y, None, [500] * 4))
     np.testing.assert_array_equal(model.state_.coefficients, ref.state_.coefficients)
@@ -459,9 +473,9 @@ def test_numpy_engine_prefers_a_cpu_worker_and_honours_an_address(client):
     X, y, _ = _data(n=1_000)
     Xd, yd = da.from_array(X, chunks=(500, 5)), da.from_array(y, 500)
     model = RenewableHuberRegressor(progress=False).fit(Xd, yd)
-    assert model._last_placement["worker"] != _gpu_worker(client)
+    assert model.placement_["worker"] != _gpu_worker(client)
     model = RenewableHuberRegressor(worker=_gpu_worker(client), progress=False).fit(Xd, yd)
-    assert model._last_placement["worker"] == _gpu_worker(client)
+    assert model.placement_["worker"] == _gpu_worker(client)
 
 
 def test_unknown_worker_address_is_a_clear_error(client):
@@ -498,6 +512,7 @@ def test_no_client_walks_locally(snapshot, assert_unchanged):
     model = RenewableHuberRegressor(lookahead=2, progress=False)
     model.fit(Xd, da.from_array(y, chunks=(chunks,)), da.from_array(w, chunks=(chunks,)))
     assert model.n_empty_chunks_ == 1
+    assert model.placement_ is None  # no client: the model's own engine
     _same(model, _loop(_row_blocks(X, y, w, chunks)), assert_unchanged, snapshot)
 
 

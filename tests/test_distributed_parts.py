@@ -59,9 +59,14 @@ def test_consumer_takes_chunks_in_index_order_whatever_the_arrival_order():
         assert engine.seen == [float(i) for i in range(len(items))]
         assert len(engine.threads) == 1 and threading.get_ident() not in engine.threads
         ref = NumpyEngine(HuberConfig())
+        betas = []
         for item in items:
             ref.partial_fit(item.X, item.y)
+            betas.append(ref.coefficients())
         assert consumer.end("s")[0].equals(ref.export_state())
+        # Each record carries β after its own batch, taken on the engine thread.
+        records = consumer.snapshot().records
+        np.testing.assert_array_equal([r.coefficients for r in records], betas)
     finally:
         consumer.close()
 
@@ -153,9 +158,14 @@ def test_consumer_uses_partial_fit_stream_in_order(refuse):
             # Batch tagged 3.0 is chunk 4: everything before it is fitted, then it fails.
             assert fitted == [0, 2, 3] and snap.failure.index == 4
         ref = NumpyEngine(HuberConfig())
+        betas = []
         for item in mixed[: len(fitted) + 1]:
             if isinstance(item, LoadedChunk):
                 ref.partial_fit(item.X, item.y)
+                betas.append(ref.coefficients())
+        # β is read between the stream's yields: after each batch, not after the
+        # one already pulled for staging.
+        np.testing.assert_array_equal([r.coefficients for r in snap.records], betas)
         assert consumer.end("s")[0].equals(ref.export_state())
     finally:
         consumer.close()

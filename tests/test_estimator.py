@@ -52,6 +52,10 @@ def test_partial_fit_consumes_one_batch_and_mirrors_the_engine(make_stream):
         assert model.diagnostics_ == diag
         assert model.n_iter_ == diag.iterations
         assert model.n_samples_seen_ == 100 * i
+        # One coefficient row per batch, appended: β after that batch, exactly.
+        assert model.coef_history_.shape == (i, 5) == (len(model.history_), 5)
+        np.testing.assert_array_equal(model.coef_history_[-1], engine.coefficients())
+        assert model.placement_ is None
     state = engine.export_state()
     np.testing.assert_array_equal(model.coef_, state.coefficients[:4])
     assert model.intercept_ == state.coefficients[4]
@@ -92,6 +96,7 @@ def test_fit_resets_and_consumes_one_batch(make_stream):
     single.partial_fit(s.X, s.y, s.sample_weight)
     assert model.state_.equals(single.export_state())
     assert model.state_.batch_count == 1 and model.n_samples_seen_ == 400
+    np.testing.assert_array_equal(model.coef_history_, single.coefficients()[None, :])
 
 
 def test_fit_starts_a_new_stream_of_another_width(make_stream):
@@ -108,13 +113,54 @@ def test_reset_forgets_everything(make_stream):
     assert model.reset() is model
     for name in ("n_features_in_", "feature_names_in_", "n_iter_", "diagnostics_", "engine_"):
         assert not hasattr(model, name), name
-    for name in ("coef_", "intercept_", "state_", "n_samples_seen_"):
+    for name in (
+        "coef_",
+        "intercept_",
+        "state_",
+        "n_samples_seen_",
+        "history_",
+        "coef_history_",
+        "placement_",
+    ):
         with pytest.raises(NotFittedError):
             getattr(model, name)
     # After a reset, a stream of another width and dtype starts cleanly.
     model.set_params(dtype="float32")
     model.partial_fit(s.X[:, :2], s.y)
     assert model.state_.coefficients.dtype == np.float32 and model.n_features_in_ == 2
+    assert model.coef_history_.shape == (1, 3) and len(model.history_) == 1
+
+
+@pytest.mark.parametrize("fit_intercept", [True, False])
+def test_coef_history_is_float64_and_ends_at_the_model(make_stream, fit_intercept):
+    s = make_stream(300, 3, seed=6)
+    model = RenewableHuberRegressor(dtype="float32", fit_intercept=fit_intercept)
+    betas = []
+    for X, y, w in s.batches([100, 100, 100]):
+        model.partial_fit(X, y, w)
+        betas.append(model.state_.coefficients.astype(np.float64))
+    history = model.coef_history_
+    assert history.dtype == np.float64 and history.shape == (3, 3 + fit_intercept)
+    np.testing.assert_array_equal(history, np.stack(betas))  # float32 -> float64 is exact
+    final = np.append(model.coef_, model.intercept_) if fit_intercept else model.coef_
+    np.testing.assert_array_equal(history[-1], final)
+    # A copy: changing it changes nothing in the model.
+    history[:] = 0
+    assert model.coef_history_[-1, 0] != 0
+
+
+def test_coef_history_survives_pickle_but_not_checkpoints(make_stream, tmp_path):
+    import pickle
+
+    s = make_stream(300, 3, seed=7)
+    model = RenewableHuberRegressor()
+    for batch in s.batches([100, 100, 100]):
+        model.partial_fit(*batch)
+    clone = pickle.loads(pickle.dumps(model))
+    np.testing.assert_array_equal(clone.coef_history_, model.coef_history_)
+    loaded = RenewableHuberRegressor.load(model.save(tmp_path / "m.npz"))
+    assert loaded.coef_history_.shape == (0, 4) and len(loaded.history_) == 0
+    assert loaded.placement_ is None
 
 
 def test_unfitted_model_raises_not_fitted(make_stream):

@@ -21,6 +21,8 @@ from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 from ..engines import Engine
 from ..state import HuberState
 from .items import BadChunk, ChunkItem, EmptyChunk, LoadedChunk
@@ -28,7 +30,11 @@ from .items import BadChunk, ChunkItem, EmptyChunk, LoadedChunk
 
 @dataclass(frozen=True)
 class BatchRecord:
-    """What the history keeps of one consumed batch."""
+    """What the history keeps of one consumed batch.
+
+    ``coefficients`` is a host copy of β after the batch (intercept last), in
+    the engine's dtype: the estimator's ``coef_history_`` row of the batch.
+    """
 
     chunk: int
     rows: int
@@ -38,6 +44,7 @@ class BatchRecord:
     lambda_value: float
     bandwidth: float
     seconds: float
+    coefficients: np.ndarray
 
 
 @dataclass(frozen=True)
@@ -275,6 +282,13 @@ class OrderedConsumer:
             self._notify()
 
     def _record(self, item: LoadedChunk, diag: Any, seconds: float) -> None:
+        """Record a batch the engine has finished; runs on the engine thread.
+
+        β is read here, once the batch's diagnostics are out: for the GPU
+        engine a copy of p numbers to the host after its solve (next to a ~1 ms
+        batch), and inside ``partial_fit_stream`` only between two yields, so
+        the copy of the next batch keeps overlapping its solve.
+        """
         record = BatchRecord(
             chunk=item.index,
             rows=item.rows,
@@ -284,6 +298,7 @@ class OrderedConsumer:
             lambda_value=float(diag.lambda_value),
             bandwidth=float(diag.bandwidth),
             seconds=seconds,
+            coefficients=self.engine.coefficients(),
         )
         with self._cond:
             self._records.append(record)

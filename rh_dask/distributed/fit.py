@@ -215,18 +215,20 @@ def _fit_cluster(
         progress=bar,
     )
     outcome = walk.run()
-    model._last_placement = outcome.placement
     records = [
         (
             r.chunk,
             r.rows,
             BatchDiagnostics(r.iterations, r.converged, r.objective, r.lambda_value, r.bandwidth),
             r.seconds,
+            r.coefficients,
         )
         for r in outcome.records
     ]
     if outcome.state is not None and records:
-        model._adopt_stream(config, engine_name, outcome.state, _names(stream), records)
+        model._adopt_stream(
+            config, engine_name, outcome.state, _names(stream), records, outcome.placement
+        )
     if outcome.n_empty and (records or hasattr(model, "n_features_in_")):
         model._count_empty_chunks(outcome.n_empty)
     if outcome.error is not None:
