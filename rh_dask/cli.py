@@ -38,7 +38,6 @@ from .exceptions import (
     StreamError,
     ValidationError,
 )
-from .jobs import DEFAULT_TRAJECTORY_POINTS
 
 __all__ = [
     "EXIT_CLUSTER",
@@ -151,16 +150,6 @@ def _add_model_options(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
-def _add_report_options(parser: argparse.ArgumentParser, default_points: str) -> None:
-    parser.add_argument(
-        "--trajectory-points",
-        type=_positive_int,
-        metavar="N",
-        help="coefficient snapshots along the stream for the report; the stream is fitted "
-        f"in N consecutive segments, which restarts the pipeline N-1 times ({default_points})",
-    )
-
-
 def build_parser() -> argparse.ArgumentParser:
     """The ``rh-dask`` argument parser."""
     parser = argparse.ArgumentParser(
@@ -199,7 +188,6 @@ def build_parser() -> argparse.ArgumentParser:
         help="write the generated data here and keep it (default: "
         "a temporary directory, removed afterwards)",
     )
-    _add_report_options(demo, f"default: {DEFAULT_TRAJECTORY_POINTS}, at most one per chunk")
     _add_model_options(demo)
     _add_cluster_options(demo)
     demo.set_defaults(handler=_cmd_demo)
@@ -218,7 +206,6 @@ def build_parser() -> argparse.ArgumentParser:
         "--output", required=True, type=Path, metavar="MODEL.npz", help="where to save the model"
     )
     fit.add_argument("--report", type=Path, metavar="DIR", help="write report.json and plots")
-    _add_report_options(fit, f"default with --report: {DEFAULT_TRAJECTORY_POINTS}, else 1")
     _add_model_options(fit)
     _add_cluster_options(fit)
     fit.set_defaults(handler=_cmd_fit)
@@ -337,7 +324,6 @@ def _fit_and_save(
     table: Any,
     session: Any,
     output: Path,
-    points: int,
 ) -> tuple[Any, Path]:
     """Fit ``table`` on ``session`` and save the model; returns the outcome and its path."""
     from .jobs import fit_table, resolve_engine
@@ -346,7 +332,7 @@ def _fit_and_save(
     engine = resolve_engine(args.engine, gpu_workers, session.client is not None)
     fallback = "numpy" if args.engine == "auto" and engine == "gpu" else None
     model = _estimator(args, engine)
-    outcome = fit_table(model, table, points=points, fallback_engine=fallback)
+    outcome = fit_table(model, table, fallback_engine=fallback)
     saved = model.save(output)
     return outcome, Path(saved)
 
@@ -358,8 +344,8 @@ def _summary(outcome: Any) -> str:
     empty = int(model.n_empty_chunks_)
     rate = rows / outcome.seconds if outcome.seconds > 0 else float("nan")
     where = ""
-    if outcome.placements:
-        where = f" on {outcome.placements[-1].get('worker')}"
+    if outcome.placement:
+        where = f" on {outcome.placement.get('worker')}"
     skipped = f", {empty} empty skipped" if empty else ""
     return (
         f"fitted {rows:,} rows in {chunks} chunks{skipped} in {outcome.seconds:.2f} s: "
@@ -403,9 +389,6 @@ def _cmd_fit(args: argparse.Namespace, argv: Sequence[str]) -> int:
     if args.report is not None:
         require("matplotlib", "report", "--report")
         _check_output_dir(args.report)
-    points = args.trajectory_points or (
-        DEFAULT_TRAJECTORY_POINTS if args.report is not None else 1
-    )
     start = time.perf_counter()
     table = open_table(
         args.input,
@@ -418,7 +401,7 @@ def _cmd_fit(args: argparse.Namespace, argv: Sequence[str]) -> int:
     opened = time.perf_counter()
     with _session(args) as session:
         connected = time.perf_counter()
-        outcome, saved = _fit_and_save(args, table, session, args.output, points)
+        outcome, saved = _fit_and_save(args, table, session, args.output)
         print(_summary(outcome))
         for note in outcome.notes:
             print(f"note: {note}")
@@ -520,8 +503,6 @@ def _cmd_demo(args: argparse.Namespace, argv: Sequence[str]) -> int:
     out = args.output_dir
     out.mkdir(parents=True, exist_ok=True)
     spec = StreamSpec(n_features=args.features, seed=args.seed)
-    n_chunks = -(-args.rows // args.chunk_rows)
-    points = args.trajectory_points or min(n_chunks, DEFAULT_TRAJECTORY_POINTS)
     scratch = None
     if args.data_dir is None:
         scratch = Path(tempfile.mkdtemp(prefix="rh-dask-demo-"))
@@ -538,7 +519,7 @@ def _cmd_demo(args: argparse.Namespace, argv: Sequence[str]) -> int:
                 f"{written['chunks']} Parquet files at {data_path} ({written['seconds']:.1f} s)"
             )
             table = open_table(data_path, target="y")
-            outcome, saved = _fit_and_save(args, table, session, out / "model.npz", points)
+            outcome, saved = _fit_and_save(args, table, session, out / "model.npz")
             huber = outcome.trajectory.coefficients[-1]
             tick = time.perf_counter()
             comparison = compare(spec, huber, table)

@@ -134,15 +134,6 @@ def chunk_count(collection: Any) -> int:
     return int(collection.npartitions)
 
 
-def take_chunks(collection: Any | None, start: int, stop: int) -> Any | None:
-    """Row chunks ``start:stop`` of a Dask collection (``None`` stays ``None``)."""
-    if collection is None:
-        return None
-    if _is_array(collection):
-        return collection.blocks[start:stop]
-    return collection.partitions[start:stop]
-
-
 # -- locating and recognising inputs ---------------------------------------------------------
 def _is_url(path: str) -> bool:
     return "://" in path

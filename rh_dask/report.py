@@ -2,14 +2,19 @@
 
 A report directory holds
 
-* ``report.json``: schema ``rh-dask-report`` version 1 with the command,
+* ``report.json``: schema ``rh-dask-report`` version 2 with the command,
   the configuration, the data, the result (coefficients by name), timings,
-  the per-chunk history, the coefficient trajectory, the engine and where
-  it ran, and the hardware of the client and of every worker;
+  the per-chunk history, the coefficient trajectory (β after every batch),
+  the engine and where it ran, and the hardware of the client and of every
+  worker;
 * ``coefficients.png``: coefficient trajectories over the stream;
 * ``convergence.png``: iterations and objective per chunk;
-* ``throughput.png``: rows per second over the wall-clock time of the fit,
-  and the engine's own rows per second per chunk.
+* ``throughput.png``: rows consumed against engine time and against the
+  fit's wall-clock time, and the engine's own rows per second per chunk.
+
+Version 2 (this one) records the trajectory per batch, from the estimator's
+``coef_history_``; version 1 had a few snapshots from a fit in segments, with
+wall-clock ``elapsed_seconds`` and a list of ``placements``, one per segment.
 
 The plots need matplotlib (the ``report`` extra); without it
 :func:`write_report` raises :class:`~rh_dask.extras.MissingExtraError`
@@ -36,7 +41,7 @@ from .jobs import FitOutcome
 __all__ = ["SCHEMA", "SCHEMA_VERSION", "build_report", "hardware", "write_report"]
 
 SCHEMA = "rh-dask-report"
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 _PACKAGES = ("numpy", "pandas", "dask", "distributed", "scipy", "cupy", "dask_cuda")
 
 
@@ -172,7 +177,7 @@ def build_report(
         "engine": {
             "name": outcome.engine,
             "dtype": model.dtype,
-            "placements": outcome.placements,
+            "placement": outcome.placement,
             "notes": outcome.notes,
         },
         "history": history.to_dict(orient="records"),
@@ -180,8 +185,8 @@ def build_report(
             "names": names,
             "after_chunk": traj.after_chunk,
             "rows": traj.rows,
-            "elapsed_seconds": traj.elapsed,
-            "coefficients": [list(map(float, beta)) for beta in traj.coefficients],
+            "engine_seconds": traj.engine_seconds,
+            "coefficients": traj.coefficients,
         },
         "hardware": hardware(session),
         "versions": _versions(),
@@ -221,7 +226,10 @@ def write_report(
         plots.coefficients(report["coefficient_trajectory"], out / "coefficients.png", truth),
         plots.convergence(report["history"], out / "convergence.png"),
         plots.throughput(
-            report["coefficient_trajectory"], report["history"], out / "throughput.png"
+            report["coefficient_trajectory"],
+            report["history"],
+            out / "throughput.png",
+            fit_seconds=report["timings"]["fit_seconds"],
         ),
     ]
     report = dict(report, plots=[p.name for p in figures])

@@ -178,7 +178,7 @@ def test_fit_reads_each_format_into_the_documented_batches(data, tmp_path, sourc
 
 
 def test_fit_on_a_local_cluster_with_weights_and_report(data, tmp_path):
-    """The console script, a local cluster, weights, a report with 2 trajectory points."""
+    """The console script, a local cluster, weights, a report with a point per chunk."""
     script = Path(sys.executable).with_name("rh-dask")
     command = [str(script)] if script.exists() else [sys.executable, "-m", "rh_dask"]
     model, report_dir = tmp_path / "model.npz", tmp_path / "report"
@@ -186,20 +186,48 @@ def test_fit_on_a_local_cluster_with_weights_and_report(data, tmp_path):
         [
             *command, "fit", "--input", str(data["root"] / "table.parquet"), "--target", "y",
             "--weight", "w", "--output", str(model), "--report", str(report_dir),
-            "--trajectory-points", "2", "--workers", "1", "--threads-per-worker", "2",
+            "--workers", "1", "--threads-per-worker", "2",
         ],
         cwd=tmp_path, capture_output=True, text=True, timeout=180,
     )  # fmt: skip
     assert result.returncode == 0, result.stderr
     assert_same_stream(model, data["X"], data["y"], [400, 400, 400], w=data["w"])
     report = json.loads((report_dir / "report.json").read_text())
-    assert report["schema"] == "rh-dask-report" and report["schema_version"] == 1
+    assert report["schema"] == "rh-dask-report" and report["schema_version"] == 2
     assert report["data"]["features"] == FEATURES and report["data"]["weight"] == "w"
     assert [h["chunk"] for h in report["history"]] == [0, 1, 2]
-    assert report["coefficient_trajectory"]["after_chunk"] == [2, 3]
-    assert report["engine"]["placements"] and report["engine"]["name"] == "numpy"
+    trajectory = report["coefficient_trajectory"]
+    assert trajectory["after_chunk"] == [1, 2, 3] and trajectory["rows"] == [400, 800, 1200]
+    state = load_checkpoint(model).state
+    assert trajectory["coefficients"][-1] == state.coefficients.tolist()
+    placement = report["engine"]["placement"]
+    assert placement["worker"].startswith("tcp://") and placement["loader"] == "engine-worker"
+    assert report["engine"]["name"] == "numpy"
     assert set(report["result"]["coefficients"]) == {*FEATURES, "(intercept)"}
     assert report["parameters"]["tau"] == 1.345
+
+
+def test_report_has_a_trajectory_point_per_non_empty_chunk(data, tmp_path):
+    """An empty Parquet file is skipped: no point of its own, still counted in after_chunk."""
+    source = tmp_path / "gappy.parquet"
+    source.mkdir()
+    frame = data["frame"]
+    parts = [frame.iloc[:400], frame.iloc[:0], frame.iloc[400:800], frame.iloc[800:]]
+    for i, part in enumerate(parts):
+        part.to_parquet(source / f"part-{i}.parquet", index=False)
+    model, report_dir = tmp_path / "model.npz", tmp_path / "report"
+    args = ["fit", "--input", str(source), "--target", "y", "--features", *FEATURES]
+    args += ["--output", str(model), "--report", str(report_dir), "--scheduler", "none"]
+    assert main(args) == 0
+    assert_same_stream(model, data["X"], data["y"], [400, 400, 400])
+    report = json.loads((report_dir / "report.json").read_text())
+    trajectory = report["coefficient_trajectory"]
+    assert report["result"]["n_empty_chunks"] == 1 and len(report["history"]) == 3
+    assert trajectory["after_chunk"] == [1, 3, 4] and trajectory["rows"] == [400, 800, 1200]
+    assert len(trajectory["coefficients"]) == 3 and len(trajectory["engine_seconds"]) == 3
+    final = load_checkpoint(model).state.coefficients
+    assert trajectory["coefficients"][-1] == final.tolist()
+    assert report["engine"]["placement"] is None
 
 
 def test_predict_writes_npy_parquet_and_csv(data, parquet_model, tmp_path):
@@ -357,7 +385,7 @@ def test_a_few_columns_of_parquet_keep_one_batch_per_file(tmp_path):
         frame = pd.DataFrame(X, columns=[f"c{j}" for j in range(8)]).assign(y=y)
         frame.to_parquet(tmp_path / "wide" / f"part-{i}.parquet", index=False)
     table = open_table(tmp_path / "wide", target="y", features=["c0"])
-    outcome = fit_table(RenewableHuberRegressor(progress=False), table, points=1)
+    outcome = fit_table(RenewableHuberRegressor(progress=False), table)
     assert len(outcome.history) == 9
     assert list(outcome.history["rows"]) == [50] * 9
 

@@ -112,8 +112,7 @@ def test_local_script_places_the_engine_by_resources(tmp_path, parquet):
         result = _rh_dask(*fit, "--output", "auto.npz", "--report", "auto", cwd=tmp_path)
         assert result.returncode == 0, result.stderr
         report = json.loads((tmp_path / "auto" / "report.json").read_text())
-        placed = {p["worker"] for p in report["engine"]["placements"]}
-        assert placed == {by_name["cpu-0"]["address"]}
+        assert report["engine"]["placement"]["worker"] == by_name["cpu-0"]["address"]
         assert report["engine"]["name"] == "numpy"
         assert any("unavailable" in note for note in report["engine"]["notes"])
         names = {w["name"] for w in report["hardware"]["cluster"]["workers"]}
@@ -123,11 +122,11 @@ def test_local_script_places_the_engine_by_resources(tmp_path, parquet):
         gpu_slot = by_name["gpu-slot-0"]["address"]
         result = _rh_dask(
             *fit, "--engine", "numpy", "--worker", gpu_slot, "--output", "pinned.npz",
-            "--report", "pinned", "--trajectory-points", "1", cwd=tmp_path,
+            "--report", "pinned", cwd=tmp_path,
         )  # fmt: skip
         assert result.returncode == 0, result.stderr
         report = json.loads((tmp_path / "pinned" / "report.json").read_text())
-        assert report["engine"]["placements"][0]["worker"] == gpu_slot
+        assert report["engine"]["placement"]["worker"] == gpu_slot
 
         # engine=gpu goes to the GPU=1 worker, which has no GPU engine: exit 5.
         result = _rh_dask(*fit, "--engine", "gpu", "--output", "gpu.npz", cwd=tmp_path)

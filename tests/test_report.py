@@ -1,4 +1,4 @@
-"""Fit reports: the segmented fit behind coefficient trajectories, report.json, plots."""
+"""Fit reports: the one-call fit and its per-batch coefficient trajectory, report.json, plots."""
 
 from __future__ import annotations
 
@@ -40,39 +40,61 @@ def _model(**params) -> RenewableHuberRegressor:
     return RenewableHuberRegressor(progress=False, **params)
 
 
-@pytest.mark.parametrize("points", [1, 3, 6, 50])
-def test_segments_give_the_single_fit_state_and_a_global_history(points):
+def test_one_fit_gives_the_fit_state_and_a_point_per_batch():
     table = _table()
     single = _model().fit(table.X, table.y)
-    outcome = fit_table(_model(), table, points=points)
+    outcome = fit_table(_model(), table)
     assert outcome.model.state_.equals(single.state_)
     assert list(outcome.history["chunk"]) == list(range(6))
+    assert outcome.placement is None  # no client: the walk ran in this process
     traj = outcome.trajectory
-    assert len(traj.after_chunk) == min(points, 6) and traj.after_chunk[-1] == 6
-    assert traj.rows[-1] == 1200 and traj.elapsed == sorted(traj.elapsed)
+    assert traj.after_chunk.tolist() == [1, 2, 3, 4, 5, 6]
+    assert traj.rows.tolist() == [200, 400, 600, 800, 1000, 1200]
+    assert np.all(np.diff(traj.engine_seconds) >= 0) and traj.engine_seconds[0] > 0
+    np.testing.assert_array_equal(traj.coefficients, single.coef_history_)
     final = np.append(single.coef_, single.intercept_)
     np.testing.assert_array_equal(traj.coefficients[-1], final)
+    model = outcome.model
+    np.testing.assert_array_equal(traj.coefficients[-1, :-1], model.coef_)
+    assert traj.coefficients[-1, -1] == model.intercept_
+
+
+def test_a_float32_trajectory_ends_exactly_at_the_model():
+    outcome = fit_table(_model(dtype="float32", fit_intercept=False), _table())
+    traj, model = outcome.trajectory, outcome.model
+    assert traj.coefficients.dtype == np.float64 and traj.coefficients.shape == (6, 4)
+    np.testing.assert_array_equal(traj.coefficients[-1], model.coef_)
 
 
 def test_empty_chunks_are_counted_and_keep_global_chunk_numbers():
     table = _table(empty_at=2)
-    outcome = fit_table(_model(), table, points=3)
+    outcome = fit_table(_model(), table)
     assert outcome.model.n_empty_chunks_ == 1
     assert list(outcome.history["chunk"]) == [0, 1, 3, 4, 5]
+    assert outcome.trajectory.after_chunk.tolist() == [1, 2, 4, 5, 6]
+    assert outcome.trajectory.rows.tolist() == [200, 400, 600, 800, 1000]
 
 
-def test_a_leading_segment_of_empty_chunks_falls_back_to_one_fit():
+def test_leading_empty_chunks_are_skipped():
     table = _table(n_chunks=4, empty_at=0)
-    outcome = fit_table(_model(), table, points=4)
+    outcome = fit_table(_model(), table)
     assert outcome.model.n_samples_seen_ == 600
-    assert outcome.trajectory.after_chunk == [4]
+    assert outcome.trajectory.after_chunk.tolist() == [2, 3, 4]
     assert list(outcome.history["chunk"]) == [1, 2, 3]
+
+
+def test_fit_table_starts_a_new_stream():
+    table = _table(n_chunks=3)
+    model = _model().fit(*_table(n_chunks=2).fit_inputs())
+    outcome = fit_table(model, table)
+    assert len(outcome.history) == 3 and outcome.trajectory.coefficients.shape == (3, 5)
 
 
 @pytest.mark.skipif(importlib.util.find_spec("cupy") is not None, reason="CuPy present")
 def test_an_engine_that_cannot_start_falls_back_when_asked():
-    outcome = fit_table(_model(engine="gpu"), _table(), points=2, fallback_engine="numpy")
+    outcome = fit_table(_model(engine="gpu"), _table(), fallback_engine="numpy")
     assert outcome.engine == "numpy" and "unavailable" in outcome.notes[0]
+    assert len(outcome.trajectory.after_chunk) == 6
 
 
 def test_auto_engine_follows_the_cluster():
@@ -90,7 +112,7 @@ def test_json_values_are_plain_and_non_finite_become_null():
 
 def test_report_json_and_plots(tmp_path):
     table = _table()
-    outcome = fit_table(_model(penalty="l1"), table, points=3)
+    outcome = fit_table(_model(penalty="l1"), table)
     report = build_report(
         outcome,
         data=table.description,
@@ -109,7 +131,7 @@ def test_report_json_and_plots(tmp_path):
         "throughput.png",
     ]
     saved = json.loads(files[0].read_text())
-    assert saved["schema"] == "rh-dask-report" and saved["schema_version"] == 1
+    assert saved["schema"] == "rh-dask-report" and saved["schema_version"] == 2
     assert saved["parameters"]["penalty"] == "l1"
     assert saved["data"]["rows"] == 1200 and saved["data"]["chunks_consumed"] == 6
     assert saved["result"]["batch_count"] == 6 and saved["result"]["model"] == "model.npz"
@@ -117,7 +139,10 @@ def test_report_json_and_plots(tmp_path):
     assert len(saved["history"]) == 6
     assert set(saved["history"][0]) >= {"chunk", "rows", "iterations", "converged", "objective"}
     traj = saved["coefficient_trajectory"]
-    assert traj["after_chunk"] == [2, 4, 6] and len(traj["coefficients"][0]) == 5
+    assert traj["after_chunk"] == [1, 2, 3, 4, 5, 6] and len(traj["coefficients"][0]) == 5
+    assert traj["rows"][-1] == 1200 and len(traj["engine_seconds"]) == 6
+    assert traj["coefficients"] == outcome.model.coef_history_.tolist()
+    assert saved["engine"]["placement"] is None
     assert saved["timings"]["open_seconds"] == 0.1 and saved["timings"]["rows_per_second"] > 0
     assert saved["hardware"]["client"]["cpus"] >= 1 and saved["hardware"]["cluster"] is None
     assert saved["plots"] == ["coefficients.png", "convergence.png", "throughput.png"]
@@ -133,7 +158,7 @@ def test_report_json_and_plots(tmp_path):
 def test_plots_survive_an_empty_report(tmp_path):
     from rh_dask import plots
 
-    empty = {"names": [], "after_chunk": [], "rows": [], "elapsed_seconds": [], "coefficients": []}
+    empty = {"names": [], "after_chunk": [], "rows": [], "engine_seconds": [], "coefficients": []}
     for path in (
         plots.coefficients(empty, tmp_path / "c.png"),
         plots.convergence([], tmp_path / "v.png"),
@@ -151,9 +176,30 @@ def test_many_features_draw_the_largest_and_the_intercept(tmp_path):
     assert plots.coefficients(trajectory, tmp_path / "c.png").stat().st_size > 0
 
 
+def test_long_streams_are_thinned_for_plotting_only(tmp_path):
+    from rh_dask import plots
+
+    kept = plots._thin(5_000)
+    assert len(kept) <= plots.MAX_POINTS and kept[0] == 0 and kept[-1] == 4_999
+    assert plots._thin(7).tolist() == list(range(7))
+    n = 5_000
+    betas = np.cumsum(np.random.default_rng(0).normal(size=(n, 3)), axis=0)
+    trajectory = {
+        "names": ["a", "b", "(intercept)"],
+        "after_chunk": list(range(1, n + 1)),
+        "rows": list(range(100, 100 * n + 1, 100)),
+        "engine_seconds": list(np.linspace(0.01, 5.0, n)),
+        "coefficients": betas.tolist(),
+    }
+    history = [{"chunk": i, "rows": 100, "seconds": 0.001} for i in range(n)]
+    assert plots.coefficients(trajectory, tmp_path / "c.png").read_bytes()[:8] == PNG
+    path = plots.throughput(trajectory, history, tmp_path / "t.png", fit_seconds=9.0)
+    assert path.read_bytes()[:8] == PNG
+
+
 def test_missing_matplotlib_is_a_one_line_error(tmp_path, monkeypatch):
     table = _table(n_chunks=2)
-    outcome = fit_table(_model(), table, points=1)
+    outcome = fit_table(_model(), table)
     report = build_report(outcome, data={}, feature_names=table.feature_names)
     monkeypatch.setitem(sys.modules, "matplotlib", None)
     with pytest.raises(MissingExtraError, match=r"pip install 'rh-dask\[report\]'"):
