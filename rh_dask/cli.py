@@ -124,6 +124,13 @@ def _add_cluster_options(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--memory-limit", metavar="BYTES", help="memory limit per local worker")
 
 
+def _estimator_default(name: str) -> Any:
+    """The estimator's own default of parameter ``name``, so that the two never drift apart."""
+    from .estimator import RenewableHuberRegressor
+
+    return RenewableHuberRegressor().get_params()[name]
+
+
 def _add_model_options(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("model")
     group.add_argument("--engine", choices=["auto", "numpy", "gpu"], default="auto")
@@ -137,8 +144,12 @@ def _add_model_options(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--max-iter", type=int, default=100)
     group.add_argument("--tol", type=float, default=1e-6)
     group.add_argument("--ridge", type=float, default=1e-8)
+    lookahead = _estimator_default("lookahead")
     group.add_argument(
-        "--lookahead", type=_positive_int, default=8, help="chunks loading ahead (default: 8)"
+        "--lookahead",
+        type=_positive_int,
+        default=lookahead,
+        help=f"chunks loading ahead (default: {lookahead})",
     )
     group.add_argument(
         "--loader",

@@ -230,6 +230,13 @@ def test_report_has_a_trajectory_point_per_non_empty_chunk(data, tmp_path):
     assert report["engine"]["placement"] is None
 
 
+def test_lookahead_default_is_the_estimator_s():
+    from rh_dask.cli import build_parser
+
+    args = build_parser().parse_args(["fit", "--input", "x", "--target", "y", "--output", "m"])
+    assert args.lookahead == RenewableHuberRegressor().get_params()["lookahead"]
+
+
 def test_predict_writes_npy_parquet_and_csv(data, parquet_model, tmp_path):
     model = RenewableHuberRegressor.load(parquet_model)
     expected = model.predict(data["frame"][FEATURES])
