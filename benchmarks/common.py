@@ -21,6 +21,14 @@ from typing import Any
 
 import numpy as np
 
+#: The benchmark shapes of issue 3: name -> (rows, features, batch rows).
+SHAPES: dict[str, tuple[int, int, int]] = {
+    "latency": (4_096, 16, 4_096),
+    "reference": (100_000, 90, 32_768),
+    "wide": (16_384, 256, 4_096),
+    "streaming": (1_000_000, 32, 65_536),
+}
+
 
 def package_versions(names: Iterable[str]) -> dict[str, str | None]:
     """Installed versions of ``names`` (None where not installed)."""

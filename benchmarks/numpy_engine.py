@@ -14,20 +14,12 @@ import argparse
 import time
 
 import numpy as np
-from common import environment, fingerprint, summarize, write_json
+from common import SHAPES, environment, fingerprint, summarize, write_json
 
 from rh_dask import HuberConfig, NumpyEngine
 from rh_dask.datasets import StreamSpec
 
 SCHEMA = "rh-dask/bench/numpy-engine/1"
-
-#: name: (rows, features, batch rows)
-SHAPES = {
-    "latency": (4_096, 16, 4_096),
-    "reference": (100_000, 90, 32_768),
-    "wide": (16_384, 256, 4_096),
-    "streaming": (1_000_000, 32, 65_536),
-}
 
 
 def make_stream(rows: int, features: int, batch: int, dtype: str):

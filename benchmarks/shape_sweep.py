@@ -34,29 +34,19 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import environment, fingerprint, summarize, write_json
+from common import SHAPES, environment, fingerprint, summarize, write_json
 
 from rh_dask import HuberConfig, NumpyEngine, RenewableHuberRegressor
 from rh_dask.datasets import StreamSpec
 
 SCHEMA = "rh-dask/bench/shape-sweep/1"
 
-#: name: (rows, features, batch rows) — the issue's shapes
-SHAPES = {
-    "latency": (4_096, 16, 4_096),
-    "reference": (100_000, 90, 32_768),
-    "wide": (16_384, 256, 4_096),
-    "streaming": (1_000_000, 32, 65_536),
-}
 
 #: Competitor's native CUDA engine (v0.6.1), H200 medians per whole stream from an
 #: empty state, unpenalised, device input, ms (from the issue; it cannot run here).
