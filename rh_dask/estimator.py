@@ -22,7 +22,7 @@ from .config import HuberConfig
 from .engines import Engine, make_engine, resolve_engine_name
 from .exceptions import NotFittedError, ValidationError
 from .state import BatchDiagnostics, HuberState
-from .validation import is_device_array, validate_batch, validate_features
+from .validation import Batch, is_device_array, validate_batch, validate_features
 
 __all__ = ["HISTORY_COLUMNS", "RenewableHuberRegressor"]
 
@@ -257,22 +257,24 @@ class RenewableHuberRegressor(RegressorMixin, BaseEstimator):
         -------
         self
         """
-        if hasattr(self, "n_features_in_") and not any(
-            _is_dask_collection(a) for a in (X, y, sample_weight)
-        ):
-            # Validate X as the first batch of a new stream *before* forgetting the
-            # current one: a fit that fails validation leaves the model as it was.
-            config = self._make_config()
-            validate_batch(
-                X,
-                y,
-                sample_weight,
-                dtype=config.dtype,
-                accept_device=resolve_engine_name(self.engine, self.device) == "gpu",
-                owner=type(self).__name__,
-            )
+        if any(_is_dask_collection(a) for a in (X, y, sample_weight)):
+            self.reset()
+            return self.partial_fit(X, y, sample_weight=sample_weight)
+        # Validate X as the first batch of a new stream *before* forgetting the
+        # current one: a fit that fails validation leaves the model as it was.
+        config = self._make_config()
+        name = resolve_engine_name(self.engine, self.device)
+        batch = validate_batch(
+            X,
+            y,
+            sample_weight,
+            dtype=config.dtype,
+            accept_device=name == "gpu",
+            owner=type(self).__name__,
+        )
         self.reset()
-        return self.partial_fit(X, y, sample_weight=sample_weight)
+        self._consume(batch, config, name)
+        return self
 
     def partial_fit(
         self, X: Any, y: Any, sample_weight: Any | None = None
@@ -302,6 +304,11 @@ class RenewableHuberRegressor(RegressorMixin, BaseEstimator):
             accept_device=name == "gpu",
             owner=type(self).__name__,
         )
+        self._consume(batch, config, name)
+        return self
+
+    def _consume(self, batch: Batch, config: HuberConfig, name: str) -> None:
+        """One validated batch through the stream's engine, then into the attributes."""
         engine = self._engine_for(config, name)
         start = time.perf_counter()
         diagnostics = engine.partial_fit(batch.X, batch.y, batch.sample_weight)
@@ -315,7 +322,6 @@ class RenewableHuberRegressor(RegressorMixin, BaseEstimator):
             rows=int(batch.X.shape[0]),
             seconds=seconds,
         )
-        return self
 
     def _check_stream_config(self, config: HuberConfig) -> None:
         """Refuse parameters that changed while a stream is under way."""
