@@ -365,20 +365,42 @@ class RenewableHuberRegressor(RegressorMixin, BaseEstimator):
         chunk: int = 0,
     ) -> None:
         """Mirror one consumed batch into the scikit-learn attributes and history."""
-        if not hasattr(self, "n_features_in_"):
-            self._config = config
-            self.engine_ = engine.name
-            self.n_features_in_ = n_features
-            if feature_names is not None:
-                self.feature_names_in_ = feature_names
-        self.diagnostics_ = diagnostics
-        self.n_iter_ = diagnostics.iterations
+        self._start_attributes(config, engine.name, n_features, feature_names)
         # The batch ran on this process's engine, not on a cluster worker.
         self._placement = None
-        self._coef_rows().append(_float64_copy(engine.coefficients()))
+        self._append_record(
+            engine.batch_count - 1, chunk, rows, diagnostics, seconds, engine.coefficients()
+        )
+
+    def _start_attributes(
+        self,
+        config: HuberConfig,
+        engine_name: str,
+        n_features: int,
+        feature_names: np.ndarray | None,
+    ) -> None:
+        """Set the attributes fixed by a stream's first batch (no-op afterwards)."""
+        if hasattr(self, "n_features_in_"):
+            return
+        self._config = config
+        self.engine_ = engine_name
+        self.n_features_in_ = n_features
+        if feature_names is not None:
+            self.feature_names_in_ = feature_names
+
+    def _append_record(
+        self,
+        batch: int,
+        chunk: int,
+        rows: int,
+        diagnostics: BatchDiagnostics,
+        seconds: float,
+        coefficients: np.ndarray,
+    ) -> None:
+        """One consumed batch into ``history_``, ``coef_history_`` and ``diagnostics_``."""
         self._history_rows().append(
             (
-                engine.batch_count - 1,
+                batch,
                 chunk,
                 rows,
                 diagnostics.iterations,
@@ -387,6 +409,9 @@ class RenewableHuberRegressor(RegressorMixin, BaseEstimator):
                 seconds,
             )
         )
+        self._coef_rows().append(_float64_copy(coefficients))
+        self.diagnostics_ = diagnostics
+        self.n_iter_ = diagnostics.iterations
 
     def _history_rows(self) -> list[tuple[Any, ...]]:
         if "_history" not in self.__dict__:
@@ -422,30 +447,10 @@ class RenewableHuberRegressor(RegressorMixin, BaseEstimator):
         else:
             self._engine = None
             self._pending_state = state
-        if not hasattr(self, "n_features_in_"):
-            self._config = config
-            self.engine_ = engine_name
-            self.n_features_in_ = state.n_features_in
-            if feature_names is not None:
-                self.feature_names_in_ = feature_names
+        self._start_attributes(config, engine_name, state.n_features_in, feature_names)
         first = state.batch_count - len(records)
-        history = self._history_rows()
-        coefs = self._coef_rows()
         for offset, (chunk, rows, diagnostics, seconds, beta) in enumerate(records):
-            coefs.append(_float64_copy(beta))
-            history.append(
-                (
-                    first + offset,
-                    chunk,
-                    rows,
-                    diagnostics.iterations,
-                    diagnostics.converged,
-                    diagnostics.objective,
-                    seconds,
-                )
-            )
-        self.diagnostics_ = records[-1][2]
-        self.n_iter_ = self.diagnostics_.iterations
+            self._append_record(first + offset, chunk, rows, diagnostics, seconds, beta)
         self._placement = None if placement is None else dict(placement)
 
     def _count_empty_chunks(self, count: int) -> None:
