@@ -76,14 +76,9 @@ class NpyRows:
         del mapped
         self.ndim = len(self.shape)
 
-    def __getitem__(self, key: Any) -> np.ndarray:
-        key = key if isinstance(key, tuple) else (key,)
-        rows = key[0]
-        start, stop, step = rows.indices(self.shape[0])
-        if step != 1:
-            raise IndexError("row slices must be contiguous")
+    def read_into(self, start: int, stop: int, out: np.ndarray) -> None:
+        """Read rows ``start:stop`` into ``out`` (C-contiguous, the file's dtype)."""
         row_bytes = int(np.prod(self.shape[1:], dtype=np.int64)) * self.dtype.itemsize
-        out = np.empty((stop - start, *self.shape[1:]), dtype=self.dtype)
         view = memoryview(out.reshape(-1).view(np.uint8))
         fd = os.open(self.path, os.O_RDONLY)
         try:
@@ -95,6 +90,15 @@ class NpyRows:
                 done += got
         finally:
             os.close(fd)
+
+    def __getitem__(self, key: Any) -> np.ndarray:
+        key = key if isinstance(key, tuple) else (key,)
+        rows = key[0]
+        start, stop, step = rows.indices(self.shape[0])
+        if step != 1:
+            raise IndexError("row slices must be contiguous")
+        out = np.empty((stop - start, *self.shape[1:]), dtype=self.dtype)
+        self.read_into(start, stop, out)
         return out[(slice(None), *key[1:])] if len(key) > 1 else out
 
 
@@ -276,6 +280,15 @@ def stop_cluster(cluster: Any, client: Any, extra: list[Any]) -> None:
     cluster.close()
 
 
+def set_mmap_threshold(value: int) -> None:
+    """Run on a worker: glibc's mmap threshold (and trim threshold) of that process."""
+    import ctypes
+
+    libc = ctypes.CDLL("libc.so.6")
+    libc.mallopt(-3, int(value))  # M_MMAP_THRESHOLD
+    libc.mallopt(-1, int(value))  # M_TRIM_THRESHOLD
+
+
 # -- the methods ------------------------------------------------------------------------------
 def run_rh_dask(
     args, directory, chunk_rows, loader, lookahead, client, switch=None
@@ -307,6 +320,7 @@ def _run_rh_dask(args, directory, chunk_rows, loader, lookahead) -> dict[str, An
         "rows": int(X.shape[0]),
         "rows_per_second": X.shape[0] / wall,
         "engine_seconds_in_actor": float(history["seconds"].sum()),
+        "engine_wait_seconds_in_actor": float(history["wait_seconds"].sum()),
         "placement": model.placement_,
         "iterations_total": int(history["iterations"].sum()),
         **mem,
@@ -454,6 +468,13 @@ def main(argv: list[str] | None = None) -> int:
         help="ENGINE_THREADS,CPU_WORKERS,CPU_THREADS: after the main runs, a second cluster "
         "(engine worker + CPU-only workers) fits the first chunk size with each loader",
     )
+    p.add_argument(
+        "--mmap-threshold",
+        default="",
+        help="comma list of glibc M_MMAP_THRESHOLD values (bytes) to set on the engine's "
+        "worker for extra runs (Dask's nanny sets MALLOC_TRIM_THRESHOLD_, which pins the "
+        "threshold at 128 KiB: every chunk array is then a fresh mmap)",
+    )
     p.add_argument("--output", default="benchmarks/results/distributed_fit.json")
     args = p.parse_args(argv)
 
@@ -494,6 +515,14 @@ def main(argv: list[str] | None = None) -> int:
             for k in ks:
                 name = f"rh_dask[engine-worker,K={k}]"
                 run = partial(run_rh_dask, args, directory, size, "engine-worker", k, client)
+                guarded(methods, name, run)
+                print(name, methods[name].get("wall_seconds"), flush=True)
+            for mt in (int(v) for v in args.mmap_threshold.split(",") if v):
+                name = f"rh_dask[engine-worker,K={args.lookahead},mmap_threshold={mt}]"
+                client.run(set_mmap_threshold, mt)
+                run = partial(
+                    run_rh_dask, args, directory, size, "engine-worker", args.lookahead, client
+                )
                 guarded(methods, name, run)
                 print(name, methods[name].get("wall_seconds"), flush=True)
             for si in switches:

@@ -53,7 +53,7 @@ from . import layout
 from ._cuda import import_cupy, resolve_device
 from .kernels import Launch, get_kernels
 from .solver import DenseSolver
-from .transfer import HostStager, StagedBatch, as_device_array
+from .transfer import HostStager, PinnedPool, StagedBatch, as_device_array
 from .workspace import Workspace
 
 __all__ = ["GpuEngine"]
@@ -168,6 +168,19 @@ class GpuEngine:
         self._launches: dict[tuple[Any, ...], Any] = {}
         self._last_lamm_iterations = 4
         self._small_solve = False
+        self._pinned_pool: PinnedPool | None = None
+
+    @property
+    def pinned_pool(self) -> PinnedPool:
+        """Pinned buffers that other threads may copy host batches into (created on first use).
+
+        A batch copied there (:meth:`PinnedPool.copy_batch`) reaches this
+        engine's device by DMA alone, so the copy runs on the caller's thread
+        instead of the engine's. The distributed walk's loading tasks use it.
+        """
+        if self._pinned_pool is None:
+            self._pinned_pool = PinnedPool(self._cp, self._device_id, self._dtype)
+        return self._pinned_pool
 
     # -- interface properties -----------------------------------------------------
     @property
@@ -265,6 +278,8 @@ class GpuEngine:
         with self._cp.cuda.Device(self._device_id):
             self._stream.synchronize()
             self._stager.close()
+            if self._pinned_pool is not None:
+                self._pinned_pool.close()
             self._ws.close()
             self._dense.close()
         self._graph_cache.clear()

@@ -13,12 +13,18 @@ Host input
     batch i+1 can be copied (host memcpy into pinned memory by a few threads,
     each chunk's DMA issued as soon as it is in pinned memory) while batch i
     is being solved. Memory that is already pinned is copied by DMA directly.
+
+Pinned pool
+    :class:`PinnedPool` lets threads other than the engine's (the tasks that
+    load chunks in the distributed walk) copy batches into reusable pinned
+    buffers, so that the engine's own thread only queues DMA.
 """
 
 from __future__ import annotations
 
 import ctypes
 import threading
+import weakref
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from types import ModuleType
@@ -133,6 +139,127 @@ class PinnedBuffer:
             pass
 
 
+#: Pool buffers are sized in multiples of this, so that chunks of slightly
+#: different lengths (DataFrame partitions) reuse the same buffers.
+POOL_GRANULE = 1 << 20
+
+
+class PinnedPool:
+    """Reusable page-locked host buffers that any thread copies batches into.
+
+    A batch in pinned memory reaches the device by DMA alone: the engine's
+    thread queues the copy and goes on, with no host memcpy of its own. Each
+    buffer returns to the pool when the last array viewing it is garbage
+    collected, so holders never release anything explicitly; the pool grows
+    to the number of batches alive at once, which its caller bounds (the
+    distributed walk keeps at most ``lookahead`` chunks loaded ahead).
+
+    Parameters
+    ----------
+    cp : module
+        CuPy.
+    device_id : int
+        The device whose context allocates the buffers.
+    dtype : numpy.dtype
+        The engine's dtype; batches must already have it.
+    """
+
+    def __init__(self, cp: ModuleType, device_id: int, dtype: np.dtype) -> None:
+        self._cp = cp
+        self._device_id = device_id
+        self._dtype = np.dtype(dtype)
+        self._lock = threading.Lock()
+        self._idle: list[PinnedBuffer] = []
+        self._leased = 0
+        self._closed = False
+        self.allocated_bytes = 0
+
+    @property
+    def buffers(self) -> int:
+        """Buffers held: idle ones plus those viewed by live batches."""
+        with self._lock:
+            return len(self._idle) + self._leased
+
+    def copy_batch(
+        self, X: np.ndarray, y: np.ndarray, w: np.ndarray | None
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+        """Copies of ``X``, ``y`` and ``w`` in one pinned buffer (same shapes and dtype).
+
+        Raises
+        ------
+        ValidationError
+            When an array is not of the pool's dtype or the shapes disagree.
+        """
+        n, d = X.shape
+        arrays = (X, y) if w is None else (X, y, w)
+        if any(a.dtype != self._dtype for a in arrays):
+            raise ValidationError(f"batches must be {self._dtype.name} to be pinned")
+        if y.shape != (n,) or (w is not None and w.shape != (n,)):
+            raise ValidationError(f"y and sample_weight must have shape ({n},)")
+        count = n * (d + 1 + (w is not None))
+        nbytes = max(count * self._dtype.itemsize, 8)
+        buffer = self._take(nbytes)
+        raw = (ctypes.c_char * nbytes).from_address(buffer.ptr)
+        # The buffer goes back once nothing views ``raw`` any more.
+        weakref.finalize(raw, self._give, buffer)
+        flat = np.frombuffer(raw, dtype=self._dtype, count=count)
+        out_X = flat[: n * d].reshape(n, d)
+        out_y = flat[n * d : n * (d + 1)]
+        np.copyto(out_X, X)  # releases the GIL
+        np.copyto(out_y, y)
+        out_w = None
+        if w is not None:
+            out_w = flat[n * (d + 1) :]
+            np.copyto(out_w, w)
+        return out_X, out_y, out_w
+
+    def _take(self, nbytes: int) -> PinnedBuffer:
+        size = -(-nbytes // POOL_GRANULE) * POOL_GRANULE
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("the pinned pool is closed")
+            fitting = [b for b in self._idle if b.nbytes >= size]
+            if fitting:
+                buffer = min(fitting, key=lambda b: b.nbytes)
+                self._idle.remove(buffer)
+                self._leased += 1
+                return buffer
+            # Replace an idle buffer that is too small rather than hold both.
+            stale = self._idle.pop() if self._idle else None
+            self._leased += 1
+        if stale is not None:
+            self.allocated_bytes -= stale.nbytes
+            stale.free()
+        try:
+            with self._cp.cuda.Device(self._device_id):
+                buffer = PinnedBuffer(self._cp, size)
+        except BaseException:
+            with self._lock:
+                self._leased -= 1
+            raise
+        with self._lock:
+            self.allocated_bytes += buffer.nbytes
+        return buffer
+
+    def _give(self, buffer: PinnedBuffer) -> None:
+        with self._lock:
+            self._leased -= 1
+            if not self._closed:
+                self._idle.append(buffer)
+                return
+            self.allocated_bytes -= buffer.nbytes
+        buffer.free()
+
+    def close(self) -> None:
+        """Free idle buffers now; leased ones are freed when their batches die."""
+        with self._lock:
+            self._closed = True
+            idle, self._idle = self._idle, []
+        for buffer in idle:
+            self.allocated_bytes -= buffer.nbytes
+            buffer.free()
+
+
 class _Slot:
     """One staging slot: pinned host buffers, device buffers, and their events."""
 
@@ -148,6 +275,10 @@ class _Slot:
         self.consumed = cp.cuda.Event(disable_timing=True)  # the engine has read them
         self.used = False
         self.epoch = 0  # incremented by every staging into this slot
+        # Pinned arrays DMA'd straight from the caller's memory: kept alive until
+        # the slot is reused (its copy is then over), so that a pool buffer they
+        # view cannot be recycled while the copy still reads it.
+        self.sources: tuple[Any, ...] = ()
 
     def ensure(self, n: int, d: int) -> None:
         if n <= self.rows and d == self.cols:
@@ -226,6 +357,7 @@ class HostStager:
                 self.stream.wait_event(slot.consumed)
                 if n > slot.rows or d != slot.cols:
                     slot.consumed.synchronize()  # the old buffers are about to be freed
+            slot.sources = (X, y, w)
             slot.ensure(n, d)
             slot.epoch += 1
             item = self._dtype.itemsize
@@ -341,7 +473,8 @@ class HostStager:
                 pool.shutdown(wait=True)
         self._pool = self._prefetcher = None
         for slot in self._slots:
+            slot.copied.synchronize()
+            slot.sources = ()
             if slot.host is not None:
-                slot.copied.synchronize()
                 slot.host.free()
                 slot.host = None

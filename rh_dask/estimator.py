@@ -27,8 +27,17 @@ from .validation import Batch, is_device_array, validate_batch, validate_feature
 __all__ = ["HISTORY_COLUMNS", "RenewableHuberRegressor"]
 
 #: Columns of ``RenewableHuberRegressor.history_``.
-HISTORY_COLUMNS = ("batch", "chunk", "rows", "iterations", "converged", "objective", "seconds")
-_HISTORY_DTYPES = ("int64", "int64", "int64", "int64", "bool", "float64", "float64")
+HISTORY_COLUMNS = (
+    "batch",
+    "chunk",
+    "rows",
+    "iterations",
+    "converged",
+    "objective",
+    "seconds",
+    "wait_seconds",
+)
+_HISTORY_DTYPES = ("int64", "int64", "int64", "int64", "bool", "float64", "float64", "float64")
 
 
 def _is_dask_collection(obj: Any) -> bool:
@@ -124,8 +133,11 @@ class RenewableHuberRegressor(RegressorMixin, BaseEstimator):
         One row per consumed batch since the last reset, with columns
         ``batch`` (position in the stream), ``chunk`` (index of the chunk in
         the collection given to that call; 0 for an in-memory batch), ``rows``,
-        ``iterations``, ``converged``, ``objective`` and ``seconds`` (engine
-        time of the batch).
+        ``iterations``, ``converged``, ``objective``, ``seconds`` (engine
+        time of the batch) and ``wait_seconds`` (how long the engine sat idle
+        waiting for this chunk to load; 0 for an in-memory batch). A large
+        total ``wait_seconds`` means the fit is bound by loading, not by the
+        engine.
     coef_history_ : ndarray of shape (n_batches, n_params)
         β after each consumed batch since the last reset, in float64: row
         ``b`` belongs to row ``b`` of ``history_`` and holds the coefficients
@@ -363,13 +375,20 @@ class RenewableHuberRegressor(RegressorMixin, BaseEstimator):
         rows: int,
         seconds: float,
         chunk: int = 0,
+        wait_seconds: float = 0.0,
     ) -> None:
         """Mirror one consumed batch into the scikit-learn attributes and history."""
         self._start_attributes(config, engine.name, n_features, feature_names)
         # The batch ran on this process's engine, not on a cluster worker.
         self._placement = None
         self._append_record(
-            engine.batch_count - 1, chunk, rows, diagnostics, seconds, engine.coefficients()
+            engine.batch_count - 1,
+            chunk,
+            rows,
+            diagnostics,
+            seconds,
+            wait_seconds,
+            engine.coefficients(),
         )
 
     def _start_attributes(
@@ -395,6 +414,7 @@ class RenewableHuberRegressor(RegressorMixin, BaseEstimator):
         rows: int,
         diagnostics: BatchDiagnostics,
         seconds: float,
+        wait_seconds: float,
         coefficients: np.ndarray,
     ) -> None:
         """One consumed batch into ``history_``, ``coef_history_`` and ``diagnostics_``."""
@@ -407,6 +427,7 @@ class RenewableHuberRegressor(RegressorMixin, BaseEstimator):
                 diagnostics.converged,
                 diagnostics.objective,
                 seconds,
+                wait_seconds,
             )
         )
         self._coef_rows().append(_float64_copy(coefficients))
@@ -429,12 +450,12 @@ class RenewableHuberRegressor(RegressorMixin, BaseEstimator):
         engine_name: str,
         state: HuberState,
         feature_names: np.ndarray | None,
-        records: list[tuple[int, int, BatchDiagnostics, float, np.ndarray]],
+        records: list[tuple[int, int, BatchDiagnostics, float, float, np.ndarray]],
         placement: dict[str, Any] | None = None,
     ) -> None:
         """Take over the state a remote engine reached (see :mod:`rh_dask.distributed`).
 
-        ``records`` are ``(chunk, rows, diagnostics, seconds, coefficients)``
+        ``records`` are ``(chunk, rows, diagnostics, seconds, wait_seconds, coefficients)``
         of the batches that led there, in order; ``placement`` is where that
         engine ran (``placement_``).
         """
@@ -449,8 +470,8 @@ class RenewableHuberRegressor(RegressorMixin, BaseEstimator):
             self._pending_state = state
         self._start_attributes(config, engine_name, state.n_features_in, feature_names)
         first = state.batch_count - len(records)
-        for offset, (chunk, rows, diagnostics, seconds, beta) in enumerate(records):
-            self._append_record(first + offset, chunk, rows, diagnostics, seconds, beta)
+        for offset, record in enumerate(records):
+            self._append_record(first + offset, *record)
         self._placement = None if placement is None else dict(placement)
 
     def _count_empty_chunks(self, count: int) -> None:

@@ -7,23 +7,33 @@ pinned to the actor's worker, finds the actor in that worker's memory and
 drops the loaded batch into its inbox (:func:`deliver_chunk`). The only calls
 the coordinator makes are ``begin``, a long-polling ``progress`` (one per
 several chunks) and ``end``.
+
+When the engine offers a pinned pool (the GPU engine), the delivering task
+copies its batch into page-locked memory before handing it over. The copy
+then runs on the loading threads, in parallel, and the engine's own thread
+only queues a DMA, instead of copying every batch through its staging
+buffers itself.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import sys
 from typing import Any
 
+import numpy as np
 from distributed import get_worker
 
 from ..config import HuberConfig
 from ..engines import make_engine
 from ..state import HuberState
 from .consumer import OrderedConsumer, Progress
-from .items import ChunkItem
+from .items import ChunkItem, LoadedChunk
 from .loading import assemble_chunk
+
+logger = logging.getLogger(__name__)
 
 
 class EngineActor:
@@ -62,6 +72,7 @@ class EngineActor:
         self._consumer = OrderedConsumer(
             lambda: make_engine(engine, config, device), blas_threads=blas_threads
         )
+        self._pool = getattr(self._consumer.engine, "pinned_pool", None)
 
     def describe(self) -> dict[str, Any]:
         """Where the engine lives: engine name, device, worker address, pid."""
@@ -99,7 +110,20 @@ class EngineActor:
 
     def deliver(self, stream_id: str, item: ChunkItem) -> bool:
         """In-process hand-over from a chunk task on this worker (not an RPC)."""
-        return self._consumer.deliver(stream_id, item)
+        return self._consumer.deliver(stream_id, self._pinned(item))
+
+    def _pinned(self, item: ChunkItem) -> ChunkItem:
+        """The batch copied into the engine's pinned pool (on the calling thread)."""
+        if self._pool is None or not isinstance(item, LoadedChunk):
+            return item
+        if not isinstance(item.X, np.ndarray):
+            return item  # device arrays need no staging
+        try:
+            X, y, w = self._pool.copy_batch(item.X, item.y, item.sample_weight)
+        except Exception as exc:  # e.g. page-locked memory exhausted: the engine stages it
+            logger.warning("chunk %d not copied to pinned memory (%s)", item.index, exc)
+            return item
+        return LoadedChunk(item.index, X, y, w)
 
     async def progress(
         self, n_consumed: int, n_records: int, min_new: int, timeout: float

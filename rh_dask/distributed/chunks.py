@@ -76,7 +76,12 @@ class AlignedStream:
     weight_value: float | None = None
 
     def spec(self, index: int, dtype: str, accept_device: bool) -> ChunkSpec:
-        """The loader's expectations for chunk ``index``."""
+        """The loader's expectations for chunk ``index``.
+
+        ``accept_device`` means the GPU engine consumes the chunks: CUDA
+        arrays may pass, and the host skips the finiteness scan the engine
+        does on the device anyway.
+        """
         return ChunkSpec(
             index=index,
             dtype=dtype,
@@ -86,6 +91,7 @@ class AlignedStream:
             weight=self.weight,
             accept_device=accept_device,
             weight_value=self.weight_value,
+            check_finite=not accept_device,
         )
 
 
@@ -317,6 +323,33 @@ class ChunkGraph:
     @property
     def n_chunks(self) -> int:
         return len(self.keys)
+
+    @property
+    def self_contained(self) -> bool:
+        """Whether every key the chunks need is computed by the graph itself.
+
+        False when the collection references data persisted on a cluster
+        (keys held by futures): only that cluster can provide them, so the
+        chunks cannot be computed by one worker on its own.
+        """
+        for key, node in self.graph.items():
+            deps = node.dependencies if isinstance(node, GraphNode) else None
+            if deps is None:
+                deps = get_dependencies(self.graph, key)
+            if any(d not in self.graph for d in deps):
+                return False
+        return True
+
+    def __getstate__(self) -> dict[str, Any]:
+        # The plan travels to the engine's worker for loader="actor": the source
+        # collections and the spec factory were only needed to build it.
+        state = dict(self.__dict__)
+        state["stream"] = None
+        state["make_spec"] = None
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
 
     def _deps(self, key: Key) -> Any:
         """Dependencies inside the graph; keys of persisted data (already in the

@@ -34,6 +34,8 @@ class BatchRecord:
 
     ``coefficients`` is a host copy of β after the batch (intercept last), in
     the engine's dtype: the estimator's ``coef_history_`` row of the batch.
+    ``wait_seconds`` is how long the engine sat idle, during the stream,
+    before this batch arrived.
     """
 
     chunk: int
@@ -45,6 +47,7 @@ class BatchRecord:
     bandwidth: float
     seconds: float
     coefficients: np.ndarray
+    wait_seconds: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -120,6 +123,7 @@ class OrderedConsumer:
         self._failure: BadChunk | None = None
         self._waiters: list[tuple[int, Callable[[], None]]] = []
         self._closed = False
+        self._waited = 0.0  # idle time of the engine thread since the last record
         self._thread = threading.Thread(target=self._run, name="rh-dask-engine", daemon=True)
         self._thread.start()
         self._limit = self.call(lambda: blas_limiter(blas_threads))
@@ -159,6 +163,7 @@ class OrderedConsumer:
             self._records = []
             self._n_empty = 0
             self._failure = None
+            self._waited = 0.0
 
     def end(self, stream_id: str, n_records_seen: int = 0) -> tuple[HuberState | None, Progress]:
         """Stop the stream and drop undelivered chunks.
@@ -256,7 +261,10 @@ class OrderedConsumer:
         while True:
             with self._cond:
                 while not (self._commands or self._closed or self._ready()):
+                    idle_from = time.perf_counter()
                     self._cond.wait()
+                    if self._stream is not None:
+                        self._waited += time.perf_counter() - idle_from
                 if self._commands:
                     fn, future = self._commands.popleft()
                 elif self._closed:
@@ -299,7 +307,9 @@ class OrderedConsumer:
             bandwidth=float(diag.bandwidth),
             seconds=seconds,
             coefficients=self.engine.coefficients(),
+            wait_seconds=self._waited,
         )
+        self._waited = 0.0
         with self._cond:
             self._records.append(record)
             self._next += 1

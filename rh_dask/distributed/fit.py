@@ -154,7 +154,7 @@ def _fit_local(
     names = _names(stream)
     limit = blas_limiter(STREAM_BLAS_THREADS)
 
-    def consume(item: ChunkItem) -> None:
+    def consume(item: ChunkItem, waited: float) -> None:
         if isinstance(item, EmptyChunk):
             counts["empty"] += 1
             model._count_empty_chunks(1)
@@ -182,6 +182,7 @@ def _fit_local(
             rows=item.rows,
             seconds=seconds,
             chunk=item.index,
+            wait_seconds=waited,
         )
         counts["batches"] += 1
         bar.update(1, item.rows)
@@ -221,6 +222,7 @@ def _fit_cluster(
             r.rows,
             BatchDiagnostics(r.iterations, r.converged, r.objective, r.lambda_value, r.bandwidth),
             r.seconds,
+            r.wait_seconds,
             r.coefficients,
         )
         for r in outcome.records

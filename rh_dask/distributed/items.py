@@ -35,6 +35,10 @@ class ChunkSpec:
         A scalar ``sample_weight`` (the same weight for every row).
     accept_device : bool
         Whether CUDA arrays may pass validation (GPU engine).
+    check_finite : bool
+        Whether the loader scans X and y for NaN and infinity. The GPU engine
+        refuses non-finite values on the device in its first pass over a
+        batch, so its chunks skip this extra read on the host.
     """
 
     index: int
@@ -45,6 +49,7 @@ class ChunkSpec:
     weight: str | None = None
     accept_device: bool = False
     weight_value: float | None = None
+    check_finite: bool = True
 
     @property
     def has_expectations(self) -> bool:
@@ -98,6 +103,10 @@ class BadChunk:
         Why it was refused (the validation message).
     error : BaseException
         The original exception, kept as the cause of the stream error.
+    verb : str
+        What happened to the chunk, for the error message: ``"was refused"``
+        (validation, the engine) or ``"could not be loaded"`` (computing it
+        failed).
     """
 
     index: int
@@ -105,6 +114,11 @@ class BadChunk:
     error: BaseException
     rows: int = 0
     nbytes: int = 0
+    verb: str = "was refused"
+
+    @property
+    def message(self) -> str:
+        return f"chunk {self.index} {self.verb}: {self.reason}"
 
 
 ChunkItem = LoadedChunk | EmptyChunk | BadChunk

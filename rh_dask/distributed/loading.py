@@ -74,6 +74,7 @@ def assemble_chunk(x_part: Any, y_part: Any, w_part: Any, spec: ChunkSpec) -> Ch
             # every chunk, the first included, is checked against them.
             fitted=spec.has_expectations,
             accept_device=spec.accept_device,
+            check_finite=spec.check_finite,
         )
     except Exception as exc:  # any refusal of this chunk's data ends the stream here
         return BadChunk(spec.index, f"{type(exc).__name__}: {exc}", exc)

@@ -10,6 +10,7 @@ computed once, with the first chunk that needs them (see
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import closing
@@ -74,8 +75,17 @@ def iter_local(graph: ChunkGraph, lookahead: int) -> Iterator[ChunkItem]:
         pool.shutdown(wait=False, cancel_futures=True)
 
 
-def run_local(graph: ChunkGraph, lookahead: int, consume: Callable[[ChunkItem], None]) -> None:
-    """Feed ``consume`` every chunk in order (it raises to stop the stream)."""
+def run_local(
+    graph: ChunkGraph, lookahead: int, consume: Callable[[ChunkItem, float], None]
+) -> None:
+    """Feed ``consume`` every chunk in order (it raises to stop the stream).
+
+    ``consume`` also gets the seconds spent waiting for that chunk to load.
+    """
     with closing(iter_local(graph, lookahead)) as items:
-        for item in items:
-            consume(item)
+        while True:
+            start = time.perf_counter()
+            item = next(items, None)
+            if item is None:
+                return
+            consume(item, time.perf_counter() - start)
