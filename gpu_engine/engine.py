@@ -53,7 +53,7 @@ from . import layout
 from ._cuda import import_cupy, resolve_device
 from .kernels import Launch, get_kernels
 from .solver import DenseSolver
-from .transfer import HostStager, PinnedPool, StagedBatch, as_device_array
+from .transfer import HostStager, PinnedBuffer, PinnedPool, StagedBatch, as_device_array
 from .workspace import Workspace
 
 __all__ = ["GpuEngine"]
@@ -169,6 +169,7 @@ class GpuEngine:
         self._last_lamm_iterations = 4
         self._small_solve = False
         self._pinned_pool: PinnedPool | None = None
+        self._beta_buffer: PinnedBuffer | None = None
 
     @property
     def pinned_pool(self) -> PinnedPool:
@@ -280,6 +281,8 @@ class GpuEngine:
             self._stager.close()
             if self._pinned_pool is not None:
                 self._pinned_pool.close()
+            if self._beta_buffer is not None:
+                self._beta_buffer.free()
             self._ws.close()
             self._dense.close()
         self._graph_cache.clear()
@@ -898,11 +901,27 @@ class GpuEngine:
     def _beta_on_host(self) -> np.ndarray:
         self._require_state()
         if self._host_beta is None:
+            # One queued copy into pinned memory and one wait: the distributed
+            # walk reads β after every batch, on a thread that competes for
+            # the interpreter lock at each CUDA call.
             cp = self._cp
+            beta = self._ws.beta
+            nbytes = beta.size * beta.itemsize
+            if self._beta_buffer is None or self._beta_buffer.nbytes < nbytes:
+                if self._beta_buffer is not None:
+                    self._beta_buffer.free()
+                self._beta_buffer = PinnedBuffer(cp, nbytes)
+            rt = cp.cuda.runtime
             with cp.cuda.Device(self._device_id):
+                rt.memcpyAsync(
+                    self._beta_buffer.ptr,
+                    beta.data.ptr,
+                    nbytes,
+                    rt.memcpyDeviceToHost,
+                    self._stream.ptr,
+                )
                 self._stream.synchronize()
-                self._host_beta = cp.asnumpy(self._ws.beta, stream=self._stream)
-                self._stream.synchronize()
+            self._host_beta = self._beta_buffer.view(beta.dtype, beta.size).copy()
         return self._host_beta
 
 

@@ -25,7 +25,7 @@ from __future__ import annotations
 import ctypes
 import threading
 import weakref
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
@@ -172,6 +172,7 @@ class PinnedPool:
         self._idle: list[PinnedBuffer] = []
         self._leased = 0
         self._closed = False
+        self._growing = False
         self.allocated_bytes = 0
 
     @property
@@ -181,9 +182,14 @@ class PinnedPool:
             return len(self._idle) + self._leased
 
     def copy_batch(
-        self, X: np.ndarray, y: np.ndarray, w: np.ndarray | None
-    ) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+        self, X: np.ndarray, y: np.ndarray, w: np.ndarray | None, *, wait: bool = True
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray | None] | None:
         """Copies of ``X``, ``y`` and ``w`` in one pinned buffer (same shapes and dtype).
+
+        With ``wait=False`` the call never allocates: when no idle buffer is
+        large enough it returns ``None`` at once and a background thread adds
+        one (pinning tens of megabytes takes milliseconds, which a loading
+        pipeline should not wait for), so that later batches find it.
 
         Raises
         ------
@@ -198,7 +204,9 @@ class PinnedPool:
             raise ValidationError(f"y and sample_weight must have shape ({n},)")
         count = n * (d + 1 + (w is not None))
         nbytes = max(count * self._dtype.itemsize, 8)
-        buffer = self._take(nbytes)
+        buffer = self._take(nbytes) if wait else self._take_idle(nbytes)
+        if buffer is None:
+            return None
         raw = (ctypes.c_char * nbytes).from_address(buffer.ptr)
         # The buffer goes back once nothing views ``raw`` any more.
         weakref.finalize(raw, self._give, buffer)
@@ -212,6 +220,47 @@ class PinnedPool:
             out_w = flat[n * (d + 1) :]
             np.copyto(out_w, w)
         return out_X, out_y, out_w
+
+    def _take_idle(self, nbytes: int) -> PinnedBuffer | None:
+        """An idle buffer of at least ``nbytes``, or None (then one is added in the background)."""
+        size = -(-nbytes // POOL_GRANULE) * POOL_GRANULE
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("the pinned pool is closed")
+            fitting = [b for b in self._idle if b.nbytes >= size]
+            if fitting:
+                buffer = min(fitting, key=lambda b: b.nbytes)
+                self._idle.remove(buffer)
+                self._leased += 1
+                return buffer
+            if self._growing:
+                return None
+            self._growing = True
+        threading.Thread(target=self._grow, args=(size,), name="rh-dask-pin", daemon=True).start()
+        return None
+
+    def _grow(self, size: int) -> None:
+        try:
+            with self._cp.cuda.Device(self._device_id):
+                buffer = PinnedBuffer(self._cp, size)
+        except Exception:  # out of page-locked memory: batches keep arriving pageable
+            with self._lock:
+                self._growing = False
+            return
+        drop: PinnedBuffer | None = buffer
+        with self._lock:
+            self._growing = False
+            if not self._closed:
+                # Replace an idle buffer too small for this batch size, if any.
+                small = [b for b in self._idle if b.nbytes < size]
+                drop = small[0] if small else None
+                if drop is not None:
+                    self._idle.remove(drop)
+                    self.allocated_bytes -= drop.nbytes
+                self._idle.append(buffer)
+                self.allocated_bytes += buffer.nbytes
+        if drop is not None:
+            drop.free()
 
     def _take(self, nbytes: int) -> PinnedBuffer:
         size = -(-nbytes // POOL_GRANULE) * POOL_GRANULE
@@ -435,12 +484,25 @@ class HostStager:
     def prefetch(self, X: np.ndarray, y: np.ndarray, w: np.ndarray | None) -> None:
         """Start staging a batch in the background (see :meth:`take`).
 
-        Only the latest prefetch is remembered; an earlier one that was never
-        taken is simply dropped (its slot is reused later).
+        A batch already in pinned memory needs only DMA, which is queued at
+        once on this thread: handing it to the prefetch thread would cost
+        two thread switches (each a wait for the interpreter lock when other
+        threads are busy) to save nothing. Only the latest prefetch is
+        remembered; an earlier one that was never taken is simply dropped
+        (its slot is reused later).
         """
-        if self._prefetcher is None:
-            self._prefetcher = ThreadPoolExecutor(1, thread_name_prefix="rh-dask-prefetch")
-        future = self._prefetcher.submit(self.stage, X, y, w)
+        arrays = (X, y) if w is None else (X, y, w)
+        future: Future[StagedBatch]
+        if all(a.flags.c_contiguous and is_pinned(self._cp, a) for a in arrays):
+            future = Future()
+            try:
+                future.set_result(self.stage(X, y, w))
+            except Exception as exc:  # re-raised by take(), as from the thread
+                future.set_exception(exc)
+        else:
+            if self._prefetcher is None:
+                self._prefetcher = ThreadPoolExecutor(1, thread_name_prefix="rh-dask-prefetch")
+            future = self._prefetcher.submit(self.stage, X, y, w)
         self._pending = ((id(X), id(y), id(w)), future, (X, y, w))
 
     def take(self, X: np.ndarray, y: np.ndarray, w: np.ndarray | None) -> StagedBatch | None:

@@ -416,3 +416,97 @@ def test_both_cholesky_paths_match_the_reference(cholesky, dtype):
         _assert_states_close(s_gpu, s_ref, dtype, f"batch {i}", noise)
         assert d_gpu.converged == d_ref.converged
     assert gpu._small_solve == (cholesky == "kernel")
+
+
+def test_pinned_pool_copies_reuses_and_feeds_the_engine_bit_identically():
+    import gc
+
+    from gpu_engine.transfer import is_pinned
+
+    batches = _stream(30, [6000, 6000, 2500, 6000], "float32", seed=21)
+    weights = [
+        np.random.default_rng(i).uniform(0.5, 2.0, len(y)).astype("float32")
+        for i, (_, y) in enumerate(batches)
+    ]
+    config = HuberConfig(dtype="float32")
+    plain = GpuEngine(config)
+    for (X, y), w in zip(batches, weights, strict=True):
+        plain.partial_fit(X, y, w)
+    pinned_engine = GpuEngine(config)
+    pool = pinned_engine.pinned_pool
+    copies = []
+    for (X, y), w in zip(batches, weights, strict=True):
+        Xp, yp, wp = pool.copy_batch(X, y, w)
+        assert all(is_pinned(cp, a) for a in (Xp, yp, wp))
+        np.testing.assert_array_equal(Xp, X)
+        np.testing.assert_array_equal(yp, y)
+        np.testing.assert_array_equal(wp, w)
+        copies.append((Xp, yp, wp))
+    assert pool.buffers == len(batches)
+    for diag in pinned_engine.partial_fit_stream(copies):
+        assert diag.converged
+    assert pinned_engine.export_state().equals(plain.export_state())
+    # Buffers return once no array views them (the engine keeps the last two
+    # staged batches until their slots are reused) and are then reused.
+    copies.clear()
+    gc.collect()
+    held = pool.buffers
+    X, y = batches[0]
+    again = pool.copy_batch(X, y, None)
+    assert pool.buffers == held
+    with pytest.raises(ValidationError, match="float32"):
+        pool.copy_batch(X.astype("float64"), y, None)
+    del again
+    pinned_engine.close()
+    plain.close()
+
+
+def test_distributed_fit_on_a_cuda_cluster_with_each_loader():
+    dask_cuda = pytest.importorskip("dask_cuda", reason="needs dask-cuda")
+    da = pytest.importorskip("dask.array")
+    from distributed import Client
+
+    spec = StreamSpec(n_features=12, seed=3)
+    X, y = spec.chunk(0, 40_000, "float32")
+    ref = RenewableHuberRegressor(engine="gpu", dtype="float32")
+    for start in range(0, 40_000, 5_000):
+        ref.partial_fit(X[start : start + 5_000], y[start : start + 5_000])
+    with (
+        dask_cuda.LocalCUDACluster(
+            n_workers=1, threads_per_worker=4, resources={"GPU": 1}, dashboard_address=":0"
+        ) as cluster,
+        Client(cluster),
+    ):
+        for loader in ("actor", "engine-worker"):
+            model = RenewableHuberRegressor(
+                engine="gpu", dtype="float32", loader=loader, progress=False
+            )
+            model.fit(da.from_array(X, chunks=(5_000, 12)), da.from_array(y, chunks=5_000))
+            assert model.placement_["loader"] == loader
+            np.testing.assert_array_equal(model.state_.coefficients, ref.state_.coefficients)
+            np.testing.assert_array_equal(model.coef_history_, ref.coef_history_)
+        # A NaN mid-stream is refused by the device check, naming the chunk.
+        X_bad = X.copy()
+        X_bad[17_000, 3] = np.nan
+        model = RenewableHuberRegressor(engine="gpu", dtype="float32", progress=False)
+        from rh_dask.exceptions import StreamError
+
+        with pytest.raises(StreamError, match=r"chunk 3 was refused.*finite"):
+            model.fit(da.from_array(X_bad, chunks=(5_000, 12)), da.from_array(y, chunks=5_000))
+        assert model.state_.batch_count == 3
+
+
+def test_pinned_pool_without_waiting_grows_in_the_background():
+    import time
+
+    engine = GpuEngine(HuberConfig(dtype="float32"))
+    pool = engine.pinned_pool
+    X, y = _stream(8, [3000], "float32")[0]
+    assert pool.copy_batch(X, y, None, wait=False) is None  # nothing idle yet
+    deadline = time.monotonic() + 10
+    while pool.buffers == 0 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    copied = pool.copy_batch(X, y, None, wait=False)
+    assert copied is not None
+    np.testing.assert_array_equal(copied[0], X)
+    engine.close()
