@@ -153,7 +153,7 @@ def _add_model_options(parser: argparse.ArgumentParser) -> None:
     )
     group.add_argument(
         "--loader",
-        choices=["auto", "engine-worker", "cluster"],
+        choices=["auto", "actor", "engine-worker", "cluster"],
         default="auto",
         help="where chunks load (see docs/distributed.md)",
     )

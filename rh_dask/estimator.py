@@ -95,12 +95,16 @@ class RenewableHuberRegressor(RegressorMixin, BaseEstimator):
         parallel, while it fits the current one. Look-ahead host memory is
         bounded by this many chunks. See ``docs/distributed.md`` for how the
         default was measured.
-    loader : {"auto", "engine-worker", "cluster"}, default="auto"
-        Dask streams only: where chunks load. ``"engine-worker"`` computes them
-        on the threads of the worker holding the engine (no transfer);
-        ``"cluster"`` computes them on any worker and moves each finished
-        chunk to the engine's worker. ``"auto"`` loads on the engine's worker
-        unless it has a single thread and other workers exist.
+    loader : {"auto", "actor", "engine-worker", "cluster"}, default="auto"
+        Dask streams only: where chunks load. ``"actor"`` sends the chunk
+        graphs to the worker holding the engine once, and that worker computes
+        them on its own threads, with no scheduler task per chunk (it needs a
+        collection that worker can compute alone: not one referencing data
+        persisted on the cluster). ``"engine-worker"`` runs one Dask task per
+        chunk on that worker; ``"cluster"`` computes chunks on any worker and
+        moves each finished chunk to the engine's worker. ``"auto"`` picks
+        ``"actor"`` when possible, else ``"engine-worker"`` unless that worker
+        has a single thread and other workers exist.
     worker : str, default=None
         Dask streams only: address of the worker that hosts the engine actor.
         ``None`` picks one: a worker advertising ``resources={"GPU": 1}`` for
@@ -151,8 +155,9 @@ class RenewableHuberRegressor(RegressorMixin, BaseEstimator):
     placement_ : dict or None
         Where the engine ran for the last call that consumed a batch, when
         that call walked a Dask collection on a ``distributed`` cluster: the
-        keys ``worker`` (address), ``loader`` (``"engine-worker"`` or
-        ``"cluster"``, ``"auto"`` resolved), ``engine`` and ``lookahead``.
+        keys ``worker`` (address), ``loader`` (``"actor"``,
+        ``"engine-worker"`` or ``"cluster"``: ``"auto"`` resolved), ``engine``
+        and ``lookahead``.
         ``None`` after an in-memory batch or a walk without a client.
 
     Examples

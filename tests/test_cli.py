@@ -201,7 +201,7 @@ def test_fit_on_a_local_cluster_with_weights_and_report(data, tmp_path):
     state = load_checkpoint(model).state
     assert trajectory["coefficients"][-1] == state.coefficients.tolist()
     placement = report["engine"]["placement"]
-    assert placement["worker"].startswith("tcp://") and placement["loader"] == "engine-worker"
+    assert placement["worker"].startswith("tcp://") and placement["loader"] == "actor"
     assert report["engine"]["name"] == "numpy"
     assert set(report["result"]["coefficients"]) == {*FEATURES, "(intercept)"}
     assert report["parameters"]["tau"] == 1.345

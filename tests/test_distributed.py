@@ -106,7 +106,7 @@ def _same(a, b, assert_unchanged, snapshot):
 
 
 # -- equality with the plain loop ---------------------------------------------------
-@pytest.mark.parametrize("loader", ["engine-worker", "cluster"])
+@pytest.mark.parametrize("loader", ["actor", "engine-worker", "cluster"])
 def test_fit_equals_partial_fit_loop(client, loader, snapshot, assert_unchanged):
     X, y, w = _data(weights=True)
     chunks = (1000, 700, 1300, 1000, 2000)
@@ -165,7 +165,7 @@ def test_y_rechunked_to_x_rows(client, snapshot, assert_unchanged):
     _same(model, _loop(_row_blocks(X, y, None, [1000] * 3)), assert_unchanged, snapshot)
 
 
-@pytest.mark.parametrize("loader", ["engine-worker", "cluster"])
+@pytest.mark.parametrize("loader", ["actor", "engine-worker", "cluster"])
 def test_shared_reduction_in_the_graph(client, loader, snapshot, assert_unchanged):
     # Every chunk depends on a global mean: computed once, held across refills.
     X, y, _ = _data(n=3_000, seed=5)
@@ -188,7 +188,23 @@ def test_persisted_inputs_and_a_client_routed_through_the_scheduler(
             Xd = other.persist(da.from_array(X, chunks=(500, 5)))
             yd = other.persist(da.from_array(y, chunks=500))
             model = RenewableHuberRegressor(progress=False).fit(Xd, yd)
+            # Persisted chunks live in the cluster: the actor cannot compute them alone.
+            assert model.placement_["loader"] in ("engine-worker", "cluster")
+            with pytest.raises(ValueError, match=r"loader='actor'.*persisted"):
+                RenewableHuberRegressor(loader="actor", progress=False).fit(Xd, yd)
     _same(model, _loop(_row_blocks(X, y, None, [500] * 4)), assert_unchanged, snapshot)
+
+
+def test_auto_loader_computes_chunks_in_the_actor(client):
+    X, y, _ = _data(n=2_000, seed=27)
+    model = RenewableHuberRegressor(progress=False, lookahead=2)
+    model.fit(da.from_array(X, chunks=(500, 5)), da.from_array(y, 500))
+    assert model.placement_["loader"] == "actor"
+    wait = model.history_["wait_seconds"]
+    assert len(wait) == 4 and (wait >= 0).all() and wait.dtype == np.float64
+    # In-memory batches never wait for a load.
+    model.partial_fit(X[:100], y[:100])
+    assert model.history_["wait_seconds"].iloc[-1] == 0.0
 
 
 def test_scalar_weight(client, snapshot, assert_unchanged):
@@ -269,7 +285,7 @@ def test_all_empty_collection_is_refused(client):
         )
 
 
-@pytest.mark.parametrize("loader", ["engine-worker", "cluster"])
+@pytest.mark.parametrize("loader", ["actor", "engine-worker", "cluster"])
 def test_bad_chunk_stops_in_front_of_it_then_partial_fit_continues(
     client, loader, snapshot, assert_unchanged
 ):
@@ -294,10 +310,11 @@ def _fail_chunk_3(block, block_info=None):
     return block
 
 
-def test_failing_task_names_the_chunk(client, snapshot, assert_unchanged):
+@pytest.mark.parametrize("loader", ["actor", "engine-worker", "cluster"])
+def test_failing_task_names_the_chunk(client, snapshot, assert_unchanged, loader):
     X, y, _ = _data(n=3_000, seed=11)
     Xd = da.from_array(X, chunks=(500, 5)).map_blocks(_fail_chunk_3, dtype=X.dtype)
-    model = RenewableHuberRegressor(progress=False)
+    model = RenewableHuberRegressor(progress=False, loader=loader)
     with pytest.raises(StreamError, match=r"chunk 3 could not be loaded.*disk on fire"):
         model.fit(Xd, da.from_array(y, chunks=500))
     _same(model, _loop(_row_blocks(X, y, None, [500] * 3)), assert_unchanged, snapshot)
@@ -317,7 +334,13 @@ def test_misaligned_target_is_refused(client):
         RenewableHuberRegressor(progress=False).fit(Xd, dd.from_pandas(pd.Series(y), 3))
 
 
-def test_interrupted_walk_keeps_the_consumed_chunks(client, monkeypatch):
+def _slow(block):
+    time.sleep(0.05)
+    return block
+
+
+@pytest.mark.parametrize("loader", ["actor", "engine-worker"])
+def test_interrupted_walk_keeps_the_consumed_chunks(client, monkeypatch, loader):
     import rh_dask.distributed.coordinator as coordinator
 
     polls = []
@@ -332,9 +355,11 @@ def test_interrupted_walk_keeps_the_consumed_chunks(client, monkeypatch):
 
     monkeypatch.setattr(coordinator.ClusterWalk, "_poll", interrupted)
     X, y, _ = _data(n=4_000, seed=24)
-    model = RenewableHuberRegressor(lookahead=2, progress=False)
+    model = RenewableHuberRegressor(lookahead=2, loader=loader, progress=False)
+    # Slow loads: with loader="actor" a poll reports progress only every 0.25 s.
+    X_dask = da.from_array(X, chunks=(250, 5)).map_blocks(_slow, dtype=X.dtype)
     with pytest.raises(KeyboardInterrupt):
-        model.fit(da.from_array(X, chunks=(250, 5)), da.from_array(y, 250))
+        model.fit(X_dask, da.from_array(y, 250))
     # Whatever was consumed before the interrupt is in the model, with its history.
     consumed = len(model.history_)
     assert 2 <= consumed < 16

@@ -21,6 +21,7 @@ import asyncio
 import logging
 import os
 import sys
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -29,9 +30,12 @@ from distributed import get_worker
 from ..config import HuberConfig
 from ..engines import make_engine
 from ..state import HuberState
+from .chunks import ChunkGraph
 from .consumer import OrderedConsumer, Progress
+from .feeder import ChunkFeeder
 from .items import ChunkItem, LoadedChunk
 from .loading import assemble_chunk
+from .memory import heap_for_chunks
 
 logger = logging.getLogger(__name__)
 
@@ -57,6 +61,12 @@ class EngineActor:
         The engine thread shares the GIL with the threads loading chunks and
         with the worker's event loop; each time it gets the GIL back after a
         device synchronisation it may wait up to this interval.
+    heap_for_chunks : bool
+        Whether this worker's malloc keeps chunk-sized allocations on its heap
+        while a stream runs (see :mod:`.memory`); restored when it ends.
+    pin_max_bytes : int
+        Delivered chunks up to this size are copied into the engine's pinned
+        pool, when it has one (0: never).
     """
 
     def __init__(
@@ -66,13 +76,19 @@ class EngineActor:
         device: Any = None,
         blas_threads: int | None = None,
         switch_interval: float | None = None,
+        heap_for_chunks: bool = False,
+        pin_max_bytes: int = 0,
     ) -> None:
         self._switch_interval = switch_interval
         self._saved_interval: float | None = None
+        self._heap_for_chunks = heap_for_chunks
+        self._restore_heap: Callable[[], None] | None = None
         self._consumer = OrderedConsumer(
             lambda: make_engine(engine, config, device), blas_threads=blas_threads
         )
         self._pool = getattr(self._consumer.engine, "pinned_pool", None)
+        self._pin_max_bytes = int(pin_max_bytes)
+        self._feeder: ChunkFeeder | None = None
 
     def describe(self) -> dict[str, Any]:
         """Where the engine lives: engine name, device, worker address, pid."""
@@ -90,23 +106,44 @@ class EngineActor:
         if self._switch_interval is not None and self._saved_interval is None:
             self._saved_interval = sys.getswitchinterval()
             sys.setswitchinterval(self._switch_interval)
+        if self._heap_for_chunks and self._restore_heap is None:
+            self._restore_heap = heap_for_chunks()
+
+    def feed(self, stream_id: str, graph: ChunkGraph, lookahead: int, threads: int) -> None:
+        """Load the stream's chunks on this worker (``loader="actor"``), see :mod:`.feeder`."""
+        self._stop_feeder()
+        self._feeder = ChunkFeeder(
+            graph, self._consumer, stream_id, lookahead, threads, self._pinned
+        )
+        self._feeder.start()
 
     def end(self, stream_id: str, n_records: int = 0) -> tuple[HuberState | None, Progress]:
         """Stop the stream; the state after the last consumed chunk and the final progress."""
         try:
             return self._consumer.end(stream_id, n_records)
         finally:
+            self._stop_feeder()
             self._restore_interval()
+
+    def _stop_feeder(self) -> None:
+        # Ending the stream wakes the feeder, which then stops submitting.
+        if self._feeder is not None:
+            self._feeder.join(timeout=60)
+            self._feeder = None
 
     def close(self) -> None:
         """Stop the engine thread."""
         self._restore_interval()
         self._consumer.close()
+        self._stop_feeder()
 
     def _restore_interval(self) -> None:
         if self._saved_interval is not None:
             sys.setswitchinterval(self._saved_interval)
             self._saved_interval = None
+        if self._restore_heap is not None:
+            self._restore_heap()
+            self._restore_heap = None
 
     def deliver(self, stream_id: str, item: ChunkItem) -> bool:
         """In-process hand-over from a chunk task on this worker (not an RPC)."""
@@ -116,14 +153,18 @@ class EngineActor:
         """The batch copied into the engine's pinned pool (on the calling thread)."""
         if self._pool is None or not isinstance(item, LoadedChunk):
             return item
+        if item.nbytes > self._pin_max_bytes:
+            return item
         if not isinstance(item.X, np.ndarray):
             return item  # device arrays need no staging
         try:
-            X, y, w = self._pool.copy_batch(item.X, item.y, item.sample_weight)
-        except Exception as exc:  # e.g. page-locked memory exhausted: the engine stages it
+            # Never waits for pinned memory: while the pool grows (in the
+            # background) a chunk goes as it is, and the engine stages it.
+            pinned = self._pool.copy_batch(item.X, item.y, item.sample_weight, wait=False)
+        except Exception as exc:  # a chunk the pool cannot take: the engine stages it
             logger.warning("chunk %d not copied to pinned memory (%s)", item.index, exc)
             return item
-        return LoadedChunk(item.index, X, y, w)
+        return item if pinned is None else LoadedChunk(item.index, *pinned)
 
     async def progress(
         self, n_consumed: int, n_records: int, min_new: int, timeout: float

@@ -206,6 +206,17 @@ class OrderedConsumer:
                 self._cond.notify_all()
             return True
 
+    @property
+    def consumed(self) -> int:
+        """Chunks of the current stream dealt with so far."""
+        with self._cond:
+            return self._next
+
+    def active(self, stream_id: str) -> bool:
+        """Whether ``stream_id`` is the running stream and has not failed."""
+        with self._cond:
+            return self._stream == stream_id and self._failure is None and not self._closed
+
     def snapshot(self, n_records_seen: int = 0) -> Progress:
         with self._cond:
             return Progress(

@@ -161,7 +161,7 @@ def _fit_local(
             bar.update(1, 0)
             return
         if isinstance(item, BadChunk):
-            err = StreamError(f"chunk {item.index} was refused: {item.reason}", item.index)
+            err = StreamError(item.message, item.index)
             raise err from item.error
         engine = model._engine_for(config, engine_name)
         start = time.perf_counter()

@@ -26,9 +26,16 @@ from .items import ChunkItem
 Key = Any
 
 
-def _load(
+def load_chunk(
     graph: ChunkGraph, index: int, needs: list[tuple[Key, Future[Any]]]
 ) -> tuple[ChunkItem, dict[Key, Any]]:
+    """Compute chunk ``index`` here, with Dask's synchronous scheduler.
+
+    ``needs`` are the held keys of earlier chunks it references, with the
+    futures of the jobs that computed them (whose results have this
+    function's shape). Returns the chunk's item and the shared keys it
+    computed for later chunks.
+    """
     dsk = graph.subgraph(index)
     for key, owner in needs:
         dsk[key] = DataNode(key, owner.result()[1][key])
@@ -57,7 +64,7 @@ def iter_local(graph: ChunkGraph, lookahead: int) -> Iterator[ChunkItem]:
         for i in range(n):
             while submitted < n and submitted <= i + lookahead - 1:
                 needs = [(k, owners[k]) for k in graph.shared_needed(submitted)]
-                job = pool.submit(_load, graph, submitted, needs)
+                job = pool.submit(load_chunk, graph, submitted, needs)
                 jobs[submitted] = job
                 for key in graph.shared_owned(submitted):
                     owners[key] = job
