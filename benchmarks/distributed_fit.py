@@ -19,8 +19,10 @@ Reported per chunk size: wall times, rows/s, pipeline efficiency =
 max(floors) / wall, peak host memory of the whole process tree (this process,
 the nannies and the workers), and whether the coefficients equal those of the
 single-process loop on the same engine. The opponents may run on a prefix of
-the rows (``--opponent-rows``) to bound the benchmark's time; their rates are
-then per row and labelled so.
+the rows (``--opponent-rows``) to bound the benchmark's time (the client loop
+on at most 2,097,152 rows); their rates are then per row and labelled so.
+Every method but the client loop runs ``--repeats`` times; the median run is
+reported, with all wall times.
 
     # device (H200): 20M x 90 float32
     python benchmarks/distributed_fit.py --engine gpu --rows 20000000 \\
@@ -33,13 +35,14 @@ then per row and labelled so.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
 import threading
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 from pathlib import Path
@@ -199,10 +202,28 @@ def measure(fn: Callable[[], Any]) -> tuple[float, Any, dict[str, int]]:
     return wall, value, mem.report()
 
 
-def guarded(record: dict[str, Any], name: str, fn: Callable[[], dict[str, Any]]) -> None:
-    """Run one method; a failure is recorded, not fatal to the benchmark."""
+#: Runs of each method; the median run is reported (``--repeats``).
+REPEATS = {"n": 3}
+
+
+def median_run(fn: Callable[[], dict[str, Any]], repeats: int) -> dict[str, Any]:
+    """Run ``fn`` ``repeats`` times; the run with the median wall time, with every wall."""
+    runs = [fn() for _ in range(max(1, repeats))]
+    walls = [r["wall_seconds"] for r in runs]
+    order = sorted(range(len(runs)), key=walls.__getitem__)
+    chosen = dict(runs[order[len(order) // 2]])
+    chosen["wall_seconds_runs"] = walls
+    if "rows" in chosen:
+        chosen["rows_per_second"] = chosen["rows"] / chosen["wall_seconds"]
+    return chosen
+
+
+def guarded(
+    record: dict[str, Any], name: str, fn: Callable[[], dict[str, Any]], repeats: int | None = None
+) -> None:
+    """Run one method (median of repeats); a failure is recorded, not fatal to the benchmark."""
     try:
-        record[name] = fn()
+        record[name] = median_run(fn, REPEATS["n"] if repeats is None else repeats)
     except Exception as exc:  # keep the other methods' numbers
         record[name] = {"error": f"{type(exc).__name__}: {exc}", "trace": traceback.format_exc()}
         print(f"[{name}] failed: {exc}", file=sys.stderr, flush=True)
@@ -280,13 +301,21 @@ def stop_cluster(cluster: Any, client: Any, extra: list[Any]) -> None:
     cluster.close()
 
 
-def set_mmap_threshold(value: int) -> None:
-    """Run on a worker: glibc's mmap threshold (and trim threshold) of that process."""
-    import ctypes
+@contextlib.contextmanager
+def coordinator_settings(variant: str) -> Iterator[None]:
+    """Set ``NAME=value`` module constants of the coordinator for one run."""
+    from rh_dask.distributed import coordinator
 
-    libc = ctypes.CDLL("libc.so.6")
-    libc.mallopt(-3, int(value))  # M_MMAP_THRESHOLD
-    libc.mallopt(-1, int(value))  # M_TRIM_THRESHOLD
+    saved = {}
+    try:
+        for setting in [v for v in variant.split(",") if v]:
+            name, value = setting.split("=")
+            saved[name] = getattr(coordinator, name)
+            setattr(coordinator, name, json.loads(value))
+        yield
+    finally:
+        for name, value in saved.items():
+            setattr(coordinator, name, value)
 
 
 # -- the methods ------------------------------------------------------------------------------
@@ -453,6 +482,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--data-dir", default=None, help="default: $TMPDIR/rh-dask-bench-<shape>")
     p.add_argument("--threads", type=int, default=None, help="threads of the engine's worker")
     p.add_argument("--lookahead", type=int, default=8)
+    p.add_argument(
+        "--loaders",
+        default="actor,engine-worker",
+        help="loaders to run (the first is the headline result)",
+    )
     p.add_argument("--lookahead-sweep", default="", help="extra look-aheads (first chunk size)")
     p.add_argument(
         "--switch-intervals",
@@ -469,12 +503,14 @@ def main(argv: list[str] | None = None) -> int:
         "(engine worker + CPU-only workers) fits the first chunk size with each loader",
     )
     p.add_argument(
-        "--mmap-threshold",
+        "--variants",
         default="",
-        help="comma list of glibc M_MMAP_THRESHOLD values (bytes) to set on the engine's "
-        "worker for extra runs (Dask's nanny sets MALLOC_TRIM_THRESHOLD_, which pins the "
-        "threshold at 128 KiB: every chunk array is then a fresh mmap)",
+        help="extra runs of the headline loader with settings of "
+        "rh_dask.distributed.coordinator, e.g. 'FEEDER_THREADS=4;HEAP_FOR_CHUNKS=false' "
+        "(';' between runs, ',' between settings of one run; 'lookahead=16' sets the "
+        "estimator's look-ahead)",
     )
+    p.add_argument("--repeats", type=int, default=3, help="runs per method (median kept)")
     p.add_argument("--output", default="benchmarks/results/distributed_fit.json")
     args = p.parse_args(argv)
 
@@ -484,6 +520,8 @@ def main(argv: list[str] | None = None) -> int:
     sweep = [int(s) for s in args.lookahead_sweep.split(",") if s]
     switches = [float(s) for s in args.switch_intervals.split(",") if s]
     skip = set(args.skip.split(",")) - {""}
+    main_loader, *other_loaders = [s for s in args.loaders.split(",") if s]
+    REPEATS["n"] = args.repeats
     tmp = Path(os.environ.get("TMPDIR", "/tmp"))
     directory = Path(args.data_dir or tmp / f"rh-dask-bench-{args.rows}x{args.features}")
     dataset = write_dataset(directory, args.rows, args.features, args.dtype)
@@ -513,22 +551,27 @@ def main(argv: list[str] | None = None) -> int:
                 [k for k in sweep if k != args.lookahead] if size == sizes[0] else []
             )
             for k in ks:
-                name = f"rh_dask[engine-worker,K={k}]"
-                run = partial(run_rh_dask, args, directory, size, "engine-worker", k, client)
+                name = f"rh_dask[{main_loader},K={k}]"
+                run = partial(run_rh_dask, args, directory, size, main_loader, k, client)
                 guarded(methods, name, run)
                 print(name, methods[name].get("wall_seconds"), flush=True)
-            for mt in (int(v) for v in args.mmap_threshold.split(",") if v):
-                name = f"rh_dask[engine-worker,K={args.lookahead},mmap_threshold={mt}]"
-                client.run(set_mmap_threshold, mt)
-                run = partial(
-                    run_rh_dask, args, directory, size, "engine-worker", args.lookahead, client
-                )
+            for variant in [v for v in args.variants.split(";") if v]:
+                name = f"rh_dask[{main_loader},K={args.lookahead},{variant}]"
+                settings = dict(v.split("=") for v in variant.split(","))
+                k = int(settings.pop("lookahead", args.lookahead))
+                run = partial(run_rh_dask, args, directory, size, main_loader, k, client)
+                with coordinator_settings(",".join(f"{a}={b}" for a, b in settings.items())):
+                    guarded(methods, name, run)
+                print(name, methods[name].get("wall_seconds"), flush=True)
+            for loader in other_loaders:
+                name = f"rh_dask[{loader},K={args.lookahead}]"
+                run = partial(run_rh_dask, args, directory, size, loader, args.lookahead, client)
                 guarded(methods, name, run)
                 print(name, methods[name].get("wall_seconds"), flush=True)
             for si in switches:
-                name = f"rh_dask[engine-worker,K={args.lookahead},switch={si}]"
+                name = f"rh_dask[{main_loader},K={args.lookahead},switch={si}]"
                 run = partial(
-                    run_rh_dask, args, directory, size, "engine-worker", args.lookahead, client, si
+                    run_rh_dask, args, directory, size, main_loader, args.lookahead, client, si
                 )
                 guarded(methods, name, run)
                 print(name, methods[name].get("wall_seconds"), flush=True)
@@ -536,14 +579,22 @@ def main(argv: list[str] | None = None) -> int:
                 run = partial(run_incremental, args, directory, size, opp_rows, client)
                 guarded(methods, "incremental", run)
             if "client_loop" not in skip:
-                run = partial(run_client_loop, args, directory, size, opp_rows, client, config)
-                guarded(methods, "client_loop", run)
+                run = partial(
+                    run_client_loop,
+                    args,
+                    directory,
+                    size,
+                    min(opp_rows, 2_097_152),
+                    client,
+                    config,
+                )
+                guarded(methods, "client_loop", run, repeats=1)
             for name, validate in (("load_floor", False), ("load_validate_floor", True)):
                 run = partial(run_load_floor, directory, size, args.rows, args.dtype, validate)
                 guarded(methods, name, run)
             run = partial(run_engine_floor, args, directory, size, args.rows, config)
             guarded(methods, "engine_floor", run)
-            summarize_entry(entry, args.lookahead, "engine-worker")
+            summarize_entry(entry, args.lookahead, main_loader)
             payload["results"].append(entry)
             write_json(args.output, strip_private(payload))
             print(json.dumps(entry["summary"], indent=1), flush=True)
@@ -609,7 +660,8 @@ def summarize_entry(entry: dict[str, Any], lookahead: int, loader: str) -> None:
                         result["information_vs_engine_floor"] = compare(
                             result["_information"], floor["_information"]
                         )
-        if "_coef" in m.get("incremental", {}) and "_coef" in m.get("client_loop", {}):
+        inc, loop = m.get("incremental", {}), m.get("client_loop", {})
+        if "_coef" in inc and "_coef" in loop and inc.get("rows") == loop.get("rows"):
             m["incremental"]["coefficients_vs_client_loop"] = compare(
                 m["incremental"]["_coef"], m["client_loop"]["_coef"]
             )

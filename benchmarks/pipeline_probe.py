@@ -260,12 +260,20 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--chunk-rows", default="65536,262144")
     p.add_argument("--threads", default="4,8,12")
     p.add_argument("--modes", default=",".join(MODES))
+    p.add_argument(
+        "--heap", action="store_true", help="keep chunks on malloc's heap (rh_dask memory)"
+    )
     p.add_argument("--lookahead", type=int, default=8)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--data-dir", default="/tmp/rhbench")
     p.add_argument("--output", default="benchmarks/results/pipeline_probe.json")
     args = p.parse_args(argv)
     directory = Path(args.data_dir)
+    if args.heap:
+        from rh_dask.distributed.memory import heap_for_chunks
+
+        if heap_for_chunks() is None:
+            raise SystemExit("--heap needs glibc")
     dataset = write_dataset(directory, args.rows, args.features, args.dtype)
     Xs, ys = NpyRows(str(directory / "X.npy")), NpyRows(str(directory / "y.npy"))
     thread_counts = [int(t) for t in args.threads.split(",")]
