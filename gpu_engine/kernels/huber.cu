@@ -284,16 +284,18 @@ rh_build(const T* __restrict__ X, long long ldx, const T* __restrict__ y,
 }
 
 // ---------------------------------------------------------------------------
-// Newton, step 1: r = y − Zβ, ψ, κ and the right factor of the fused Gram +
-// gradient product, M = [w κ(r) ⊙ Z | w ψ(r)] (row stride ldm).
+// The fused row pass of an evaluation at β, shared by Newton's step 1 and the
+// commit: r = y − Zβ, ψ = clip(r, ±τ), κ = clip((τ − |r|)/(2h) + ½, 0, 1) and
+// M's rows w κ ⊙ z; Newton also keeps w ψ (M's last column) and r. Σ w ρ(r)
+// is reduced over the grid into ctl[RH_S_LOSS]; returns true in the one block
+// that wrote it (the last to arrive).
 // ---------------------------------------------------------------------------
-template <typename T>
-__global__ void __launch_bounds__(RH_ROW_THREADS)
-rh_newton_eval(const T* __restrict__ Z, long long ldz, long long n, long long p,
-               const T* __restrict__ y, const T* __restrict__ w,
-               const T* __restrict__ beta, double* __restrict__ ctl,
-               T* __restrict__ r, T* __restrict__ M, long long ldm,
-               double* __restrict__ partials) {
+template <bool NEWTON, typename T>
+__device__ bool eval_rows(const T* __restrict__ Z, long long ldz, long long n, long long p,
+                          const T* __restrict__ y, const T* __restrict__ w,
+                          const T* __restrict__ beta, double* __restrict__ ctl,
+                          T* __restrict__ r, T* __restrict__ M, long long ldm,
+                          double* __restrict__ partials) {
   extern __shared__ double smem_d[];
   __shared__ double red[(MAX_WARPS + 1) * 32];
   T* sb = reinterpret_cast<T*>(smem_d);
@@ -321,19 +323,36 @@ rh_newton_eval(const T* __restrict__ Z, long long ldz, long long n, long long p,
       T* mr = M + i * ldm;
       for (long long j = lane; j < p; j += 32) mr[j] = c * zr[j];
       if (lane == 0) {
-        mr[p] = wi * psi;
-        r[i] = ri;
+        if (NEWTON) {
+          mr[p] = wi * psi;
+          r[i] = ri;
+        }
         const T rho = (ri - psi * T(0.5)) * psi;
         loss += (double)(wi * rho);
       }
     }
   }
-  // Σ w ρ(r): the objective diagnostic if this iterate is the batch's last.
   int* ci = ctl_ints(ctl);
   if (!lane_grid_reduce(lane == 0 ? loss : 0.0, partials,
                         reinterpret_cast<unsigned int*>(ci + RH_I_TICKET), red))
-    return;
+    return false;
   if (threadIdx.x == 0) ctl[RH_S_LOSS] = red[MAX_WARPS * 32];
+  return true;
+}
+
+// ---------------------------------------------------------------------------
+// Newton, step 1: r = y − Zβ, ψ, κ and the right factor of the fused Gram +
+// gradient product, M = [w κ(r) ⊙ Z | w ψ(r)] (row stride ldm). Σ w ρ(r) is
+// the objective diagnostic if this iterate is the batch's last.
+// ---------------------------------------------------------------------------
+template <typename T>
+__global__ void __launch_bounds__(RH_ROW_THREADS)
+rh_newton_eval(const T* __restrict__ Z, long long ldz, long long n, long long p,
+               const T* __restrict__ y, const T* __restrict__ w,
+               const T* __restrict__ beta, double* __restrict__ ctl,
+               T* __restrict__ r, T* __restrict__ M, long long ldm,
+               double* __restrict__ partials) {
+  eval_rows<true>(Z, ldz, n, p, y, w, beta, ctl, r, M, ldm, partials);
 }
 
 // ---------------------------------------------------------------------------
@@ -659,44 +678,8 @@ rh_commit_eval(const T* __restrict__ Z, long long ldz, long long n, long long p,
                double* __restrict__ partials, double* status) {
   // Queued after every LAMM round group: a no-op until the solve is done.
   if (ctl_ints(ctl)[RH_I_DONE] == 0 || ctl_ints(ctl)[RH_I_COMMITTED] != 0) return;
-  extern __shared__ double smem_d[];
-  T* sb = reinterpret_cast<T*>(smem_d);
-  __shared__ double red[(MAX_WARPS + 1) * 32];
-  for (long long j = threadIdx.x; j < p; j += blockDim.x) sb[j] = beta[j];
-  __syncthreads();
-  const T tau = (T)ctl[RH_P_TAU], hih = (T)ctl[RH_P_HALF_INV_H];
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const long long nw = (long long)gridDim.x * (blockDim.x >> 5);
-  double loss = 0.0;
-  for (long long i0 = (long long)blockIdx.x * (blockDim.x >> 5) + warp; i0 < n; i0 += RH_ROWS * nw) {
-    T dots[RH_ROWS];
-    rows_dot<RH_ROWS>(Z, ldz, i0, nw, n, sb, p, lane, dots);
-#pragma unroll
-    for (int rr = 0; rr < RH_ROWS; ++rr) {
-      const long long i = i0 + rr * nw;
-      if (i >= n) break;
-      const T* zr = Z + i * ldz;
-      const T ri = y[i] - dots[rr];
-      const T psi = clip(ri, -tau, tau);
-      T k = tau - absv(ri);
-      k = mul_rn(k, hih) + T(0.5);
-      k = clip(k, T(0), T(1));
-      const T wi = w[i];
-      const T c = k * wi;
-      T* mr = M + i * ldm;
-      for (long long j = lane; j < p; j += 32) mr[j] = c * zr[j];
-      if (lane == 0) {
-        const T rho = (ri - psi * T(0.5)) * psi;
-        loss += (double)(wi * rho);
-      }
-    }
-  }
-  int* ci = ctl_ints(ctl);
-  if (!lane_grid_reduce(lane == 0 ? loss : 0.0, partials,
-                        reinterpret_cast<unsigned int*>(ci + RH_I_TICKET), red))
-    return;
-  if (threadIdx.x == 0) ctl[RH_S_LOSS] = red[MAX_WARPS * 32];
-  mirror_status(ctl, status);
+  if (eval_rows<false>(Z, ldz, n, p, y, w, beta, ctl, (T*)nullptr, M, ldm, partials))
+    mirror_status(ctl, status);
 }
 
 // ---------------------------------------------------------------------------
