@@ -149,6 +149,7 @@ def build_report(
     history = outcome.history
     rows = int(model.n_samples_seen_)
     engine_seconds = float(history["seconds"].sum()) if len(history) else 0.0
+    wait_seconds = float(history["wait_seconds"].sum()) if len(history) else 0.0
     fit_seconds = float(outcome.seconds)
     traj = outcome.trajectory
     names = [*feature_names, *(["(intercept)"] if model.fit_intercept else [])]
@@ -171,6 +172,7 @@ def build_report(
             **(timings or {}),
             "fit_seconds": fit_seconds,
             "engine_seconds": engine_seconds,
+            "engine_wait_seconds": wait_seconds,
             "rows_per_second": rows / fit_seconds if fit_seconds > 0 else None,
             "engine_rows_per_second": rows / engine_seconds if engine_seconds > 0 else None,
         },

@@ -137,7 +137,16 @@ def test_report_json_and_plots(tmp_path):
     assert saved["result"]["batch_count"] == 6 and saved["result"]["model"] == "model.npz"
     assert list(saved["result"]["coefficients"]) == ["x0", "x1", "x2", "x3", "(intercept)"]
     assert len(saved["history"]) == 6
-    assert set(saved["history"][0]) >= {"chunk", "rows", "iterations", "converged", "objective"}
+    assert set(saved["history"][0]) >= {
+        "chunk",
+        "rows",
+        "iterations",
+        "converged",
+        "objective",
+        "wait_seconds",
+    }
+    waits = sum(h["wait_seconds"] for h in saved["history"])
+    assert saved["timings"]["engine_wait_seconds"] == pytest.approx(waits)
     traj = saved["coefficient_trajectory"]
     assert traj["after_chunk"] == [1, 2, 3, 4, 5, 6] and len(traj["coefficients"][0]) == 5
     assert traj["rows"][-1] == 1200 and len(traj["engine_seconds"]) == 6
