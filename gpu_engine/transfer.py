@@ -406,7 +406,14 @@ class HostStager:
                 self.stream.wait_event(slot.consumed)
                 if n > slot.rows or d != slot.cols:
                     slot.consumed.synchronize()  # the old buffers are about to be freed
-            slot.sources = (X, y, w)
+            # Only arrays DMA'd in place need to outlive this call (pageable ones
+            # are copied into the slot before it returns): a caller's pageable
+            # batch is never kept alive by the engine.
+            slot.sources = tuple(
+                a
+                for a in (X, y, w)
+                if a is not None and a.flags.c_contiguous and is_pinned(self._cp, a)
+            )
             slot.ensure(n, d)
             slot.epoch += 1
             item = self._dtype.itemsize

@@ -569,7 +569,8 @@ def _die_on_chunk_3(block, block_info=None):
 
 
 @pytest.mark.slow
-def test_losing_the_actor_worker_raises_not_hangs():
+@pytest.mark.parametrize("loader", ["actor", "engine-worker"])
+def test_losing_the_actor_worker_raises_not_hangs(loader):
     X, y, _ = _data(n=4_000, seed=22)
     with (
         LocalCluster(
@@ -580,9 +581,7 @@ def test_losing_the_actor_worker_raises_not_hangs():
     ):
         victim = sorted(_workers(c))[0]
         Xd = da.from_array(X, chunks=(500, 5)).map_blocks(_die_on_chunk_3, dtype=X.dtype)
-        model = RenewableHuberRegressor(
-            worker=victim, loader="engine-worker", lookahead=2, progress=False
-        )
+        model = RenewableHuberRegressor(worker=victim, loader=loader, lookahead=2, progress=False)
         start = time.perf_counter()
         with pytest.raises(ActorLostError, match="lost"):
             model.fit(Xd, da.from_array(y, 500))

@@ -234,3 +234,102 @@ def test_align_stream_refusals():
         align_stream(X, np.ones(9), None)
     aligned = align_stream(X, np.arange(10.0), None)
     assert aligned.n_chunks == 2
+
+
+def test_chunk_graph_travels_without_its_sources():
+    import pickle
+
+    X = np.random.default_rng(2).normal(size=(300, 3))
+    stream = align_stream(da.from_array(X, chunks=(100, 3)), da.from_array(X[:, 1], 100), None)
+    graph = ChunkGraph(stream, assemble_chunk, lambda i: stream.spec(i, "float64", False))
+    assert graph.self_contained
+    copy = pickle.loads(pickle.dumps(graph))
+    assert copy.stream is None and copy.make_spec is None
+    assert copy.keys == graph.keys and copy.n_chunks == 3
+    # Without the key of chunk 1's block the graph needs data from elsewhere.
+    block = next(k for k in graph.graph if "array" in str(k) and k[1:] == (1, 0))
+    partial = pickle.loads(pickle.dumps(graph))
+    del partial.graph[block]
+    assert not partial.self_contained
+
+
+@pytest.mark.parametrize("lookahead", [1, 3])
+def test_feeder_keeps_the_window_and_matches_a_loop(lookahead):
+    from rh_dask.distributed.feeder import ChunkFeeder
+
+    rng = np.random.default_rng(3)
+    X = rng.normal(size=(700, 3))
+    y = X.sum(axis=1) + rng.standard_t(2, size=700)
+    # The mean is a key every chunk shares: computed once, held, then released.
+    Xd = da.from_array(X, chunks=(100, 3))
+    Xd = Xd - Xd.mean(axis=0)
+    stream = align_stream(Xd, da.from_array(y, 100), None)
+    graph = ChunkGraph(stream, assemble_chunk, lambda i: stream.spec(i, "float64", False))
+    consumer = OrderedConsumer(lambda: NumpyEngine(HuberConfig()))
+    ahead = []
+
+    def stage(item):
+        ahead.append(item.index - consumer.consumed)
+        return item
+
+    try:
+        consumer.begin("s", None)
+        feeder = ChunkFeeder(graph, consumer, "s", lookahead, threads=3, stage=stage)
+        feeder.start()
+        _wait(consumer, 7)
+        feeder.join(30)
+        state = consumer.engine.export_state()
+        assert consumer.snapshot().failure is None
+    finally:
+        consumer.close()
+    assert len(ahead) == 7 and max(ahead) < lookahead
+    ref = NumpyEngine(HuberConfig())
+    centred = X - X.mean(axis=0)
+    for start in range(0, 700, 100):
+        ref.partial_fit(centred[start : start + 100], y[start : start + 100])
+    np.testing.assert_allclose(state.coefficients, ref.export_state().coefficients, rtol=1e-12)
+
+
+def test_feeder_reports_a_load_failure_and_stops():
+    from rh_dask.distributed.feeder import ChunkFeeder
+
+    def fail_on_2(block, block_info=None):
+        if block_info[0]["chunk-location"][0] == 2:
+            raise OSError("gone")
+        return block
+
+    X = np.random.default_rng(4).normal(size=(500, 2))
+    Xd = da.from_array(X, chunks=(100, 2)).map_blocks(fail_on_2, dtype=X.dtype)
+    stream = align_stream(Xd, da.from_array(X[:, 0], 100), None)
+    graph = ChunkGraph(stream, assemble_chunk, lambda i: stream.spec(i, "float64", False))
+    consumer = OrderedConsumer(lambda: NumpyEngine(HuberConfig()))
+    try:
+        consumer.begin("s", None)
+        feeder = ChunkFeeder(graph, consumer, "s", 2, threads=2, stage=lambda item: item)
+        feeder.start()
+        _wait(consumer, 5)  # fires at the failure
+        feeder.join(30)
+        snap = consumer.snapshot()
+    finally:
+        consumer.close()
+    assert snap.consumed == 2 and snap.failure.index == 2
+    assert snap.failure.message.startswith("chunk 2 could not be loaded: OSError: gone")
+
+
+def test_heap_for_chunks_applies_and_restores_on_glibc():
+    import platform
+
+    from rh_dask.distributed.memory import heap_for_chunks
+
+    restore = heap_for_chunks()
+    if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
+        assert restore is None
+        return
+    assert callable(restore)
+    try:
+        big = np.ones((400_000, 90))  # 288 MB from the heap while the setting holds
+        assert big.sum() == big.size
+        del big
+    finally:
+        restore()
+    restore()  # idempotent

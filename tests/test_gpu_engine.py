@@ -510,3 +510,16 @@ def test_pinned_pool_without_waiting_grows_in_the_background():
     assert copied is not None
     np.testing.assert_array_equal(copied[0], X)
     engine.close()
+
+
+def test_host_batches_are_not_kept_alive_by_the_engine():
+    import weakref
+
+    engine = GpuEngine(HuberConfig(dtype="float32"))
+    X, y = _stream(8, [2000], "float32")[0]
+    X, y = X.copy(), y.copy()
+    refs = (weakref.ref(X), weakref.ref(y))
+    engine.partial_fit(X, y)
+    del X, y
+    assert all(r() is None for r in refs)
+    engine.close()
