@@ -12,7 +12,9 @@ While a stream runs, :func:`heap_for_chunks` stops malloc from using ``mmap``
 (``M_MMAP_MAX=0``: glibc caps the mmap threshold at 32 MiB, below a chunk of
 262,144 × 90 float32) and raises the trim threshold, so that freed chunks stay
 in the heap and are reused. Afterwards it restores the process's settings and
-returns the free memory to the system (``malloc_trim``).
+returns the free memory to the system (``malloc_trim``). The setting is the
+process's: two streams on one worker share it, and the first to end restores
+it (the other one then only loses speed).
 """
 
 from __future__ import annotations
