@@ -1,8 +1,11 @@
 """The distributed fit against its floors and its opponents, on one machine.
 
 A dataset is first written to local disk as a NumPy stack (``X.npy``,
-``y.npy``; rows × features float32 by default). Then, for each chunk size,
-on exactly the same chunks:
+``y.npy``; rows × features float32 by default). Chunks are read with
+``pread`` into fresh arrays (``--source pread``, like a decoder producing new
+arrays) or taken as views of a memory map (``--source mmap``, as
+``dask.array.from_npy_stack`` reads a stack). Then, for each chunk size, on
+exactly the same chunks:
 
 * ``rh_dask``: ``RenewableHuberRegressor(engine=...).fit(X, y)`` on a Dask
   cluster (LocalCUDACluster with ``resources={"GPU": 1}`` for the GPU engine,
@@ -105,6 +108,46 @@ class NpyRows:
         return out[(slice(None), *key[1:])] if len(key) > 1 else out
 
 
+class NpyMap:
+    """Rows of a ``.npy`` file as views of a read-only memory map (pickles as its path).
+
+    This is how ``dask.array.from_npy_stack`` reads a NumPy stack: a chunk is
+    a view, and its bytes are read from the page cache by whoever first
+    touches them (for rh-dask, the copy into pinned memory or the engine's
+    staging; for the floors, an explicit copy).
+    """
+
+    def __init__(self, path: str) -> None:
+        self.path = str(path)
+        self._map: np.memmap | None = None
+        mapped = self._mapped()
+        self.shape, self.dtype, self.ndim = tuple(mapped.shape), mapped.dtype, mapped.ndim
+
+    def _mapped(self) -> np.memmap:
+        if self._map is None:
+            self._map = np.load(self.path, mmap_mode="r")
+        return self._map
+
+    def __getitem__(self, key: Any) -> np.ndarray:
+        return self._mapped()[key]
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (NpyMap, (self.path,))
+
+
+#: How the benchmark reads the dataset: "pread" (NpyRows) or "mmap" (NpyMap).
+SOURCE = {"kind": "pread"}
+
+
+def open_rows(path: Path) -> NpyRows | NpyMap:
+    return NpyMap(str(path)) if SOURCE["kind"] == "mmap" else NpyRows(str(path))
+
+
+def in_memory(a: np.ndarray) -> np.ndarray:
+    """The rows in this process's memory (a memory-map view is copied: that is its read)."""
+    return np.array(a, copy=True) if SOURCE["kind"] == "mmap" else a
+
+
 def write_dataset(directory: Path, rows: int, features: int, dtype: str) -> dict[str, Any]:
     """Write X.npy / y.npy (generated in parallel, seeded per block); reuse if present."""
     directory.mkdir(parents=True, exist_ok=True)
@@ -142,7 +185,7 @@ def write_dataset(directory: Path, rows: int, features: int, dtype: str) -> dict
 def dask_inputs(directory: Path, chunk_rows: int, rows: int | None = None):
     import dask.array as da
 
-    Xs, ys = NpyRows(str(directory / "X.npy")), NpyRows(str(directory / "y.npy"))
+    Xs, ys = open_rows(directory / "X.npy"), open_rows(directory / "y.npy")
     n = Xs.shape[0] if rows is None else rows
     X = da.from_array(Xs, chunks=(chunk_rows, Xs.shape[1]), asarray=False, lock=False)[:n]
     y = da.from_array(ys, chunks=(chunk_rows,), asarray=False, lock=False)[:n]
@@ -414,11 +457,11 @@ def run_client_loop(args, directory, chunk_rows, rows, client, config) -> dict[s
 
 
 def run_load_floor(directory, chunk_rows, rows, dtype, validate: bool) -> dict[str, Any]:
-    Xs, ys = NpyRows(str(directory / "X.npy")), NpyRows(str(directory / "y.npy"))
+    Xs, ys = open_rows(directory / "X.npy"), open_rows(directory / "y.npy")
     spec = ChunkSpec(index=0, dtype=dtype, n_features=Xs.shape[1], feature_names=None)
 
     def load(b: tuple[int, int]) -> int:
-        xb, yb = Xs[b[0] : b[1]], ys[b[0] : b[1]]
+        xb, yb = in_memory(Xs[b[0] : b[1]]), in_memory(ys[b[0] : b[1]])
         if validate:
             assemble_chunk(xb, yb, None, spec)
         return xb.nbytes + yb.nbytes
@@ -439,11 +482,13 @@ def run_load_floor(directory, chunk_rows, rows, dtype, validate: bool) -> dict[s
 
 
 def run_engine_floor(args, directory, chunk_rows, rows, config) -> dict[str, Any]:
-    Xs, ys = NpyRows(str(directory / "X.npy")), NpyRows(str(directory / "y.npy"))
+    Xs, ys = open_rows(directory / "X.npy"), open_rows(directory / "y.npy")
+
+    def load(b: tuple[int, int]) -> tuple[np.ndarray, np.ndarray]:
+        return in_memory(Xs[b[0] : b[1]]), in_memory(ys[b[0] : b[1]])
+
     with ThreadPoolExecutor(os.cpu_count()) as pool:
-        chunks = list(
-            pool.map(lambda b: (Xs[b[0] : b[1]], ys[b[0] : b[1]]), bounds(rows, chunk_rows))
-        )
+        chunks = list(pool.map(load, bounds(rows, chunk_rows)))
     engine = make_engine(args.engine, config)
     engine.partial_fit(*chunks[0])  # warm-up
     engine.reset()
@@ -511,6 +556,13 @@ def main(argv: list[str] | None = None) -> int:
         "estimator's look-ahead)",
     )
     p.add_argument("--repeats", type=int, default=3, help="runs per method (median kept)")
+    p.add_argument(
+        "--source",
+        choices=["pread", "mmap"],
+        default="pread",
+        help="read chunks with pread into fresh arrays, or as views of a memory map "
+        "(as dask.array.from_npy_stack does)",
+    )
     p.add_argument("--output", default="benchmarks/results/distributed_fit.json")
     args = p.parse_args(argv)
 
@@ -522,6 +574,7 @@ def main(argv: list[str] | None = None) -> int:
     skip = set(args.skip.split(",")) - {""}
     main_loader, *other_loaders = [s for s in args.loaders.split(",") if s]
     REPEATS["n"] = args.repeats
+    SOURCE["kind"] = args.source
     tmp = Path(os.environ.get("TMPDIR", "/tmp"))
     directory = Path(args.data_dir or tmp / f"rh-dask-bench-{args.rows}x{args.features}")
     dataset = write_dataset(directory, args.rows, args.features, args.dtype)
