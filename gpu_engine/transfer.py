@@ -221,28 +221,32 @@ class PinnedPool:
             np.copyto(out_w, w)
         return out_X, out_y, out_w
 
+    def _lease_idle(self, size: int) -> PinnedBuffer | None:
+        """The smallest idle buffer of at least ``size`` bytes, leased (call with the lock)."""
+        if self._closed:
+            raise RuntimeError("the pinned pool is closed")
+        fitting = [b for b in self._idle if b.nbytes >= size]
+        if not fitting:
+            return None
+        buffer = min(fitting, key=lambda b: b.nbytes)
+        self._idle.remove(buffer)
+        self._leased += 1
+        return buffer
+
     def _take_idle(self, nbytes: int) -> PinnedBuffer | None:
         """An idle buffer of at least ``nbytes``, or None (then one is added in the background)."""
         size = -(-nbytes // POOL_GRANULE) * POOL_GRANULE
         with self._lock:
-            if self._closed:
-                raise RuntimeError("the pinned pool is closed")
-            fitting = [b for b in self._idle if b.nbytes >= size]
-            if fitting:
-                buffer = min(fitting, key=lambda b: b.nbytes)
-                self._idle.remove(buffer)
-                self._leased += 1
+            buffer = self._lease_idle(size)
+            if buffer is not None or self._growing:
                 return buffer
-            if self._growing:
-                return None
             self._growing = True
         threading.Thread(target=self._grow, args=(size,), name="rh-dask-pin", daemon=True).start()
         return None
 
     def _grow(self, size: int) -> None:
         try:
-            with self._cp.cuda.Device(self._device_id):
-                buffer = PinnedBuffer(self._cp, size)
+            buffer = self._allocate(size)
         except Exception:  # out of page-locked memory: batches keep arriving pageable
             with self._lock:
                 self._growing = False
@@ -265,23 +269,18 @@ class PinnedPool:
     def _take(self, nbytes: int) -> PinnedBuffer:
         size = -(-nbytes // POOL_GRANULE) * POOL_GRANULE
         with self._lock:
-            if self._closed:
-                raise RuntimeError("the pinned pool is closed")
-            fitting = [b for b in self._idle if b.nbytes >= size]
-            if fitting:
-                buffer = min(fitting, key=lambda b: b.nbytes)
-                self._idle.remove(buffer)
-                self._leased += 1
+            buffer = self._lease_idle(size)
+            if buffer is not None:
                 return buffer
             # Replace an idle buffer that is too small rather than hold both.
             stale = self._idle.pop() if self._idle else None
+            if stale is not None:
+                self.allocated_bytes -= stale.nbytes
             self._leased += 1
         if stale is not None:
-            self.allocated_bytes -= stale.nbytes
             stale.free()
         try:
-            with self._cp.cuda.Device(self._device_id):
-                buffer = PinnedBuffer(self._cp, size)
+            buffer = self._allocate(size)
         except BaseException:
             with self._lock:
                 self._leased -= 1
@@ -289,6 +288,10 @@ class PinnedPool:
         with self._lock:
             self.allocated_bytes += buffer.nbytes
         return buffer
+
+    def _allocate(self, size: int) -> PinnedBuffer:
+        with self._cp.cuda.Device(self._device_id):
+            return PinnedBuffer(self._cp, size)
 
     def _give(self, buffer: PinnedBuffer) -> None:
         with self._lock:
