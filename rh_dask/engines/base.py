@@ -29,6 +29,20 @@ class Engine(Protocol):
         Whether ``partial_fit``/``predict`` take CUDA arrays (CuPy, DLPack).
     config : HuberConfig
         The configuration the engine was built with; fixed for its lifetime.
+
+    Notes
+    -----
+    Optional capabilities, looked up with ``getattr`` by the callers that can
+    use them (the GPU engine has both):
+
+    ``partial_fit_stream(batches)``
+        Fit an iterable of batches in order, yielding each batch's
+        diagnostics; used by the distributed walk to overlap transfers.
+    ``pinned_pool``
+        An object whose ``copy_batch(X, y, w, wait=...)`` puts a host batch
+        in memory the engine copies fastest from (returns ``None`` when it
+        cannot without waiting); used by the distributed walk's loading
+        threads.
     """
 
     name: ClassVar[str]
