@@ -27,7 +27,7 @@ from typing import Any
 from .chunks import ChunkGraph
 from .consumer import OrderedConsumer
 from .items import BadChunk, ChunkItem
-from .local import load_chunk
+from .local import SharedKeys, load_chunk
 
 Key = Any
 
@@ -110,24 +110,19 @@ class ChunkFeeder:
         return self._consumer.active(self._stream_id) and self._consumer.consumed >= target
 
     def _run(self) -> None:
-        graph = self._graph
-        owners: dict[Key, Future[Any]] = {}
+        shared = SharedKeys(self._graph)
         released = 0
         stopped = False
         try:
-            for i in range(graph.n_chunks):
+            for i in range(self._graph.n_chunks):
                 if not self._wait_window(i):
                     stopped = True
                     return
                 # Held keys whose last user was consumed can go.
                 while released < self._consumer.consumed:
-                    for key in graph.release_after(released):
-                        owners.pop(key, None)
+                    shared.release_after(released)
                     released += 1
-                needs = [(k, owners[k]) for k in graph.shared_needed(i)]
-                job = self._pool.submit(self._load, i, needs)
-                for key in graph.shared_owned(i):
-                    owners[key] = job
+                shared.submit(self._pool, self._load, i)
         except BaseException:
             stopped = True
             raise

@@ -9,6 +9,7 @@ computed once, with the first chunk that needs them (see
 
 from __future__ import annotations
 
+import functools
 import os
 import time
 from collections.abc import Callable, Iterator
@@ -44,6 +45,37 @@ def load_chunk(
     return values[0], dict(zip(shared, values[1:], strict=True))
 
 
+class SharedKeys:
+    """Which loading job computes each key later chunks share, while they need it.
+
+    A chunk's job is handed the jobs owning the shared keys it references
+    (see :func:`load_chunk`). Jobs start in submission (index) order, so an
+    awaited job is always already running.
+    """
+
+    def __init__(self, graph: ChunkGraph) -> None:
+        self._graph = graph
+        self._owners: dict[Key, Future[Any]] = {}
+
+    def submit(
+        self,
+        pool: ThreadPoolExecutor,
+        load: Callable[[int, list[tuple[Key, Future[Any]]]], Any],
+        index: int,
+    ) -> Future[Any]:
+        """Submit ``load(index, needs)`` and record the shared keys it computes."""
+        needs = [(k, self._owners[k]) for k in self._graph.shared_needed(index)]
+        job = pool.submit(load, index, needs)
+        for key in self._graph.shared_owned(index):
+            self._owners[key] = job
+        return job
+
+    def release_after(self, index: int) -> None:
+        """Forget the keys whose last user is chunk ``index``."""
+        for key in self._graph.release_after(index):
+            self._owners.pop(key, None)
+
+
 def iter_local(graph: ChunkGraph, lookahead: int) -> Iterator[ChunkItem]:
     """Yield every chunk's item in index order, loading ahead on threads.
 
@@ -56,18 +88,13 @@ def iter_local(graph: ChunkGraph, lookahead: int) -> Iterator[ChunkItem]:
     threads = max(1, min(lookahead, os.cpu_count() or 1))
     pool = ThreadPoolExecutor(threads, thread_name_prefix="rh-dask-load")
     jobs: dict[int, Future[Any]] = {}
-    # A later chunk waits for the job owning a shared key; jobs start in
-    # submission (index) order, so the awaited job is always already running.
-    owners: dict[Key, Future[Any]] = {}
+    shared = SharedKeys(graph)
+    load = functools.partial(load_chunk, graph)
     submitted = 0
     try:
         for i in range(n):
             while submitted < n and submitted <= i + lookahead - 1:
-                needs = [(k, owners[k]) for k in graph.shared_needed(submitted)]
-                job = pool.submit(load_chunk, graph, submitted, needs)
-                jobs[submitted] = job
-                for key in graph.shared_owned(submitted):
-                    owners[key] = job
+                jobs[submitted] = shared.submit(pool, load, submitted)
                 submitted += 1
             try:
                 item, _ = jobs.pop(i).result()
@@ -75,8 +102,7 @@ def iter_local(graph: ChunkGraph, lookahead: int) -> Iterator[ChunkItem]:
                 raise StreamError(
                     f"chunk {i} could not be loaded: {type(exc).__name__}: {exc}", i
                 ) from exc
-            for key in graph.release_after(i):
-                owners.pop(key, None)
+            shared.release_after(i)
             yield item
     finally:
         pool.shutdown(wait=False, cancel_futures=True)
