@@ -123,7 +123,7 @@ class EngineActor:
             return self._consumer.end(stream_id, n_records)
         finally:
             self._stop_feeder()
-            self._restore_interval()
+            self._restore_worker_settings()
 
     def _stop_feeder(self) -> None:
         # Ending the stream wakes the feeder, which then stops submitting.
@@ -133,11 +133,11 @@ class EngineActor:
 
     def close(self) -> None:
         """Stop the engine thread."""
-        self._restore_interval()
+        self._restore_worker_settings()
         self._consumer.close()
         self._stop_feeder()
 
-    def _restore_interval(self) -> None:
+    def _restore_worker_settings(self) -> None:
         if self._saved_interval is not None:
             sys.setswitchinterval(self._saved_interval)
             self._saved_interval = None
