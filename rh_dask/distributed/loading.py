@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..validation import validate_batch
+from ..validation import Batch, validate_batch
 from .items import BadChunk, ChunkItem, ChunkSpec, EmptyChunk, LoadedChunk
 
 
@@ -26,6 +26,25 @@ def chunk_parts(x_part: Any, y_part: Any, w_part: Any, spec: ChunkSpec) -> tuple
     # columns are wrong or reordered wrong, so that validation can refuse it.
     X = x_part.drop(columns=[c for c in (spec.target, spec.weight) if c is not None])
     return X, y, w
+
+
+def validate_chunk(X: Any, y: Any, w: Any, spec: ChunkSpec) -> Batch:
+    """:func:`rh_dask.validation.validate_batch` with the stream's expectations in ``spec``.
+
+    They come from the collection's metadata, so every chunk, the first
+    included, is checked against them.
+    """
+    return validate_batch(
+        X,
+        y,
+        w,
+        dtype=spec.dtype,
+        n_features=spec.n_features,
+        feature_names=spec.names_array,
+        fitted=spec.has_expectations,
+        accept_device=spec.accept_device,
+        check_finite=spec.check_finite,
+    )
 
 
 def _row_count(part: Any) -> int | None:
@@ -63,19 +82,7 @@ def assemble_chunk(x_part: Any, y_part: Any, w_part: Any, spec: ChunkSpec) -> Ch
                     ValueError("misaligned empty chunk"),
                 )
             return EmptyChunk(spec.index)
-        batch = validate_batch(
-            X,
-            y_part,
-            w_part,
-            dtype=spec.dtype,
-            n_features=spec.n_features,
-            feature_names=spec.names_array,
-            # The stream's expectations come from the collection's metadata, so
-            # every chunk, the first included, is checked against them.
-            fitted=spec.has_expectations,
-            accept_device=spec.accept_device,
-            check_finite=spec.check_finite,
-        )
+        batch = validate_chunk(X, y_part, w_part, spec)
     except Exception as exc:  # any refusal of this chunk's data ends the stream here
         return BadChunk(spec.index, f"{type(exc).__name__}: {exc}", exc)
     return LoadedChunk(spec.index, batch.X, batch.y, batch.sample_weight)

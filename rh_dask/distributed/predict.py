@@ -20,12 +20,11 @@ from ..validation import (
     check_feature_names,
     feature_names_of,
     is_device_array,
-    validate_batch,
     validate_features,
 )
 from .chunks import ChunkGraph, align_stream
 from .items import ChunkSpec
-from .loading import chunk_parts
+from .loading import chunk_parts, validate_chunk
 
 
 def _linear(X: Any, beta: np.ndarray, fit_intercept: bool) -> Any:
@@ -103,15 +102,7 @@ def _r2_terms(
     X, y_part, w_part = chunk_parts(x_part, y_part, w_part, spec)
     if X.shape[0] == 0:
         return np.zeros(4)
-    batch = validate_batch(
-        X,
-        y_part,
-        w_part,
-        dtype=spec.dtype,
-        n_features=spec.n_features,
-        feature_names=spec.names_array,
-        fitted=spec.has_expectations,
-    )
+    batch = validate_chunk(X, y_part, w_part, spec)
     y = batch.y.astype(np.float64)
     pred = _linear(batch.X, beta, fit_intercept).astype(np.float64)
     w = np.ones_like(y) if batch.sample_weight is None else batch.sample_weight.astype(np.float64)
