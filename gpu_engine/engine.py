@@ -651,26 +651,27 @@ class GpuEngine:
         launch(self._stream.ptr)
 
     def _eval_and_gram(self, n: int) -> None:
+        """κ, ψ and loss at the trial β (residuals kept for the search), then the Gram."""
+        ws = self._ws
+        self._row_pass("rh_newton_eval", n, (ws.r,), ())
+
+    def _row_pass(self, kernel: str, n: int, before_m: tuple, after: tuple) -> None:
+        """One ``eval_rows`` kernel over the batch's rows, then ``C = Zᵀ[M]``.
+
+        ``rh_newton_eval`` and ``rh_commit_eval`` share their row pass and
+        their arguments but for the residuals (``before_m``, Newton only) and
+        the status word (``after``, commit only).
+        """
         ws = self._ws
         p = ws.p
         self._launch(
-            ("eval", n),
-            "rh_newton_eval",
+            (kernel, n),
+            kernel,
             self._grid(n),
             layout.ROW_THREADS,
             (
-                ws.Z,
-                ws.ldz,
-                n,
-                p,
-                ws.y,
-                ws.w,
-                ws.beta_work,
-                ws.ctl,
-                ws.r,
-                ws.M,
-                ws.ldm,
-                ws.partials,
+                *(ws.Z, ws.ldz, n, p, ws.y, ws.w, ws.beta_work, ws.ctl, *before_m),
+                *(ws.M, ws.ldm, ws.partials, *after),
             ),
             p * ws.item,
         )
@@ -842,30 +843,7 @@ class GpuEngine:
 
     def _commit(self, n: int) -> None:
         """κ, loss and Gram at the final β, then the commit (no-ops until the solve is done)."""
-        ws = self._ws
-        p = ws.p
-        self._launch(
-            ("commit_eval", n),
-            "rh_commit_eval",
-            self._grid(n),
-            layout.ROW_THREADS,
-            (
-                ws.Z,
-                ws.ldz,
-                n,
-                p,
-                ws.y,
-                ws.w,
-                ws.beta_work,
-                ws.ctl,
-                ws.M,
-                ws.ldm,
-                ws.partials,
-                ws.status_ptr,
-            ),
-            p * ws.item,
-        )
-        self._dense.gram_and_gradient(ws.Z, ws.ldz, ws.M, ws.ldm, ws.C, n, p)
+        self._row_pass("rh_commit_eval", n, (), (self._ws.status_ptr,))
         self._commit_finish()
 
     def _run(self, key: tuple[Any, ...], body: Any) -> None:

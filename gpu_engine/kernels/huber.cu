@@ -226,6 +226,46 @@ __device__ __forceinline__ double mask_of(long long a, long long p, const double
   return (ctl[RH_P_FIT_INTERCEPT] != 0.0 && a == p - 1) ? 0.0 : 1.0;
 }
 
+// The Newton system at β (one block of RH_SMALL_THREADS threads):
+// H = (sym(C) + J)/N + ridge·I into H1 and H2, and
+// g = (JΔ − Zᵀwψ)/N − hist·s into g1 and g2 (Δ = β − β0, s = sign(β0)).
+template <typename T>
+__device__ __forceinline__ void assemble_system(int q, const T* __restrict__ C,
+                                                const T* __restrict__ J,
+                                                const T* __restrict__ beta,
+                                                const T* __restrict__ beta0,
+                                                const double* __restrict__ ctl, T* H1, T* H2,
+                                                T* __restrict__ g1, T* g2) {
+  const T inv = (T)ctl[RH_P_INV_TOTAL], ridge = (T)ctl[RH_P_RIDGE], hist = (T)ctl[RH_P_HIST];
+  const bool has_hist = ctl[RH_P_HAS_HIST] != 0.0;
+  const int qq = q * q;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
+  for (int b = warp; b < q; b += nwarps) {
+    for (int a = lane; a < q; a += 32) {
+      const int idx = a + b * q;
+      const int hi = a > b ? a : b, lo = a > b ? b : a;
+      // GEMM rounds C[a,b] and C[b,a] differently: take the lower triangle so
+      // that H is exactly symmetric, like the reference's SYRK.
+      T h = C[hi + lo * q] + J[idx];
+      h = h * inv;
+      if (a == b) h = h + ridge;
+      H1[idx] = h;
+      H2[idx] = h;
+    }
+  }
+  __shared__ double scratch[RH_SMALL_THREADS];
+  block_symv<1>(
+      J, q, [&](int b, int) { return (double)(beta[b] - beta0[b]); },
+      [&](int a, int, double jd) {
+        T ga = (T)jd - C[a + qq];
+        ga = ga * inv;
+        if (has_hist) ga = ga - mul_rn(hist, (T)(sign_of(beta0[a]) * (T)mask_of(a, q, ctl)));
+        g1[a] = ga;
+        g2[a] = ga;
+      },
+      scratch, RH_SMALL_THREADS);
+}
+
 }  // namespace
 
 // ---------------------------------------------------------------------------
@@ -366,34 +406,7 @@ rh_newton_assemble(const T* __restrict__ C, const T* __restrict__ J,
                    const T* __restrict__ beta, const T* __restrict__ beta0, long long p,
                    const double* __restrict__ ctl, T* __restrict__ H, T* __restrict__ Hs,
                    T* __restrict__ g, T* __restrict__ D) {
-  const T inv = (T)ctl[RH_P_INV_TOTAL], ridge = (T)ctl[RH_P_RIDGE], hist = (T)ctl[RH_P_HIST];
-  const bool has_hist = ctl[RH_P_HAS_HIST] != 0.0;
-  const long long pp = p * p;
-  const int q = (int)p;
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
-  for (int b = warp; b < q; b += nwarps)
-  for (int a = lane; a < q; a += 32) {
-    const int idx = a + b * q;
-    const int hi = a > b ? a : b, lo = a > b ? b : a;
-    // GEMM rounds C[a,b] and C[b,a] differently: take the lower triangle so
-    // that H is exactly symmetric, like the reference's SYRK.
-    T h = C[hi + lo * q] + J[idx];
-    h = h * inv;
-    if (a == b) h = h + ridge;
-    H[idx] = h;
-    Hs[idx] = h;
-  }
-  __shared__ double scratch[RH_SMALL_THREADS];
-  block_symv<1>(
-      J, q, [&](int b, int) { return (double)(beta[b] - beta0[b]); },
-      [&](int a, int, double jd) {
-        T ga = (T)jd - C[a + pp];
-        ga = ga * inv;
-        if (has_hist) ga = ga - mul_rn(hist, (T)(sign_of(beta0[a]) * (T)mask_of(a, p, ctl)));
-        g[a] = ga;
-        D[a] = ga;
-      },
-      scratch, RH_SMALL_THREADS);
+  assemble_system((int)p, C, J, beta, beta0, ctl, H, Hs, g, D);
 }
 
 // ---------------------------------------------------------------------------
@@ -418,33 +431,10 @@ rh_newton_solve(const T* __restrict__ C, const T* __restrict__ J,
   T* vec = A + p * p;                   // right-hand side, then solution
   T* lcol = vec + p;                    // the diagonal of L
   __shared__ int s_fail;
-  const T inv = (T)ctl[RH_P_INV_TOTAL], ridge = (T)ctl[RH_P_RIDGE], hist = (T)ctl[RH_P_HIST];
-  const bool has_hist = ctl[RH_P_HAS_HIST] != 0.0;
   // 32-bit indices: p-space loops must not pay for 64-bit division.
   const int q = (int)p, qq = q * q;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
-  for (int b = warp; b < q; b += nwarps) {
-    for (int a = lane; a < q; a += 32) {
-      const int idx = a + b * q;
-      const int hi = a > b ? a : b, lo = a > b ? b : a;
-      T h = C[hi + lo * q] + J[idx];
-      h = h * inv;
-      if (a == b) h = h + ridge;
-      A[idx] = h;
-      Hs[idx] = h;
-    }
-  }
-  __shared__ double scratch[RH_SMALL_THREADS];
-  block_symv<1>(
-      J, q, [&](int b, int) { return (double)(beta[b] - beta0[b]); },
-      [&](int a, int, double jd) {
-        T ga = (T)jd - C[a + qq];
-        ga = ga * inv;
-        if (has_hist) ga = ga - mul_rn(hist, (T)(sign_of(beta0[a]) * (T)mask_of(a, p, ctl)));
-        g[a] = ga;
-        vec[a] = ga;
-      },
-      scratch, RH_SMALL_THREADS);
+  assemble_system(q, C, J, beta, beta0, ctl, A, Hs, g, vec);
   if (threadIdx.x == 0) s_fail = 0;
   __syncthreads();
   // Right-looking Cholesky with lane-owned rows: lane l of every warp owns
