@@ -156,8 +156,10 @@ class RenewableHuberRegressor(RegressorMixin, BaseEstimator):
         Where the engine ran for the last call that consumed a batch, when
         that call walked a Dask collection on a ``distributed`` cluster: the
         keys ``worker`` (address), ``loader`` (``"actor"``,
-        ``"engine-worker"`` or ``"cluster"``: ``"auto"`` resolved), ``engine``
-        and ``lookahead``.
+        ``"engine-worker"`` or ``"cluster"``: ``"auto"`` resolved), ``engine``,
+        ``lookahead`` and ``engine_reused`` (whether the worker still held an
+        idle engine from an earlier fit, see
+        :func:`rh_dask.distributed.release_engines`).
         ``None`` after an in-memory batch or a walk without a client.
 
     Examples

@@ -27,7 +27,7 @@ from distributed import Client, LocalCluster, Nanny, Scheduler, SpecCluster
 from threadpoolctl import threadpool_limits
 
 from rh_dask import RenewableHuberRegressor, StreamError, ValidationError
-from rh_dask.distributed import ActorLostError
+from rh_dask.distributed import ActorLostError, release_engines
 from rh_dask.distributed.consumer import STREAM_BLAS_THREADS
 from rh_dask.exceptions import EngineUnavailableError
 
@@ -63,6 +63,10 @@ def _workers(client) -> dict[str, dict]:
 
 def _gpu_worker(client) -> str:
     return next(a for a, w in _workers(client).items() if w.get("resources", {}).get("GPU"))
+
+
+def _cpu_worker(client) -> str:
+    return next(a for a, w in _workers(client).items() if not w.get("resources", {}).get("GPU"))
 
 
 def _data(n=6_000, d=5, seed=0, weights=False):
@@ -388,6 +392,35 @@ def test_switch_interval_is_set_for_the_stream_and_restored(client, monkeypatch)
 
 
 # -- refits, continuation and parameters --------------------------------------------------
+def test_a_refit_takes_the_parked_engine_and_release_engines_closes_it(client, snapshot):
+    X, y, _ = _data(n=2_000, seed=21)
+    Xd, yd = da.from_array(X, chunks=(500, 5)), da.from_array(y, 500)
+    host = _cpu_worker(client)
+    # A configuration no other test uses: its shelf slot starts empty.
+    params = dict(tau=1.2345, worker=host, progress=False)
+    first = RenewableHuberRegressor(**params).fit(Xd, yd)
+    second = RenewableHuberRegressor(**params).fit(Xd, yd)
+    assert not first.placement_["engine_reused"] and second.placement_["engine_reused"]
+    # The warm engine starts from the coordinator's state, not from its last stream.
+    assert second.state_.coefficients.tobytes() == first.state_.coefficients.tobytes()
+    assert second.state_.information.tobytes() == first.state_.information.tobytes()
+    assert release_engines(client)[host] >= 1
+    third = RenewableHuberRegressor(**params).fit(Xd, yd)
+    assert not third.placement_["engine_reused"]
+
+
+def test_an_engine_is_not_parked_after_a_failed_stream(client):
+    X, y, _ = _data(n=2_000, seed=22)
+    X[1_200, 2] = np.nan
+    Xd, yd = da.from_array(X, chunks=(500, 5)), da.from_array(y, 500)
+    params = dict(tau=1.3456, worker=_cpu_worker(client), progress=False)
+    with pytest.raises(StreamError, match="chunk 2"):
+        RenewableHuberRegressor(**params).fit(Xd, yd)
+    X[1_200, 2] = 0.0
+    model = RenewableHuberRegressor(**params).fit(da.from_array(X, chunks=(500, 5)), yd)
+    assert not model.placement_["engine_reused"]
+
+
 def test_fit_twice_resets(client, snapshot, assert_unchanged):
     X, y, _ = _data(n=2_000, seed=14)
     X2, y2, _ = _data(n=1_500, seed=15)
@@ -467,9 +500,11 @@ def _gpu_is_numpy(dask_worker=None):
 
 def _restore_make_engine(dask_worker=None):
     import rh_dask.distributed.actor as actor_module
+    from rh_dask.distributed import shelf
     from rh_dask.engines import make_engine
 
     actor_module.make_engine = make_engine
+    shelf.clear()  # the stand-in engine must not serve a later engine="gpu" fit
 
 
 def test_gpu_engine_that_cannot_start_on_the_worker_raises(client):

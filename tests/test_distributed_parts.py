@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pickle
 import threading
 
 import dask.array as da
@@ -333,3 +334,67 @@ def test_heap_for_chunks_applies_and_restores_on_glibc():
     finally:
         restore()
     restore()  # idempotent
+
+
+# -- the shelf of parked engines and the actor's pinning rule --------------------------------
+def _consumer():
+    return OrderedConsumer(lambda: NumpyEngine(HuberConfig()))
+
+
+def test_shelf_parks_takes_replaces_and_expires():
+    from rh_dask.distributed import shelf
+
+    key = ("test-shelf", 1)
+    first, second = _consumer(), _consumer()
+    shelf.park(key, first, 30)
+    assert shelf.take(key) is first and shelf.take(key) is None
+    shelf.park(key, first, 30)
+    shelf.park(key, second, 30)  # replaces (and closes) the one parked before
+    assert not first.running and second.running
+    assert shelf.take(key) is second
+    shelf.park(key, second, 0.05)
+    deadline = threading.Event()
+    while second.running and not deadline.wait(0.02):
+        pass
+    assert shelf.take(key) is None and not second.running
+    third = _consumer()
+    shelf.park(key, third, 0)  # no keep time: closed at once
+    assert not third.running and shelf.take(key) is None
+    fourth = _consumer()
+    shelf.park(key, fourth, 30)
+    assert shelf.clear() >= 1 and not fourth.running and shelf.parked() == 0
+
+
+class _FakePool:
+    def __init__(self):
+        self.copied = []
+
+    def copy_batch(self, X, y, w, wait=True):
+        self.copied.append(X.shape[0])
+        return X.copy(), y.copy(), w
+
+
+@pytest.mark.parametrize("pin_mapped", [False, True])
+def test_actor_pins_small_chunks_and_mapped_chunks_of_any_size(tmp_path, pin_mapped):
+    from rh_dask.distributed.actor import EngineActor, _mapped
+
+    np.save(tmp_path / "X.npy", np.ones((4_000, 8)))
+    mapped = np.load(tmp_path / "X.npy", mmap_mode="r")
+    assert _mapped(mapped[1_000:3_000]) and _mapped(np.asarray(mapped[:10]))
+    assert not _mapped(np.array(mapped[:10])) and not _mapped(np.ones(3))
+    assert not _mapped(pickle.loads(pickle.dumps(mapped[:10])))  # bytes travelled with it
+
+    actor = EngineActor("numpy", HuberConfig(), pin_max_bytes=10_000, pin_mapped=pin_mapped)
+    try:
+        actor._pool = pool = _FakePool()
+        y = np.zeros(2_000)
+        small = LoadedChunk(0, np.ones((100, 8)), y[:100], None)  # 6.4 kB
+        big = LoadedChunk(1, np.ones((2_000, 8)), y, None)  # 128 kB in memory
+        big_mapped = LoadedChunk(2, np.asarray(mapped[:2_000]), y, None)
+        out = [actor._pinned(item) for item in (small, big, big_mapped)]
+        assert out[1] is big
+        assert (out[2] is not big_mapped) == pin_mapped
+        assert pool.copied == ([100, 2_000] if pin_mapped else [100])
+        np.testing.assert_array_equal(out[2].X, big_mapped.X)
+    finally:
+        actor.close()

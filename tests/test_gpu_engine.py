@@ -461,7 +461,7 @@ def test_pinned_pool_copies_reuses_and_feeds_the_engine_bit_identically():
     plain.close()
 
 
-def test_distributed_fit_on_a_cuda_cluster_with_each_loader():
+def test_distributed_fit_on_a_cuda_cluster_with_each_loader(tmp_path, monkeypatch):
     dask_cuda = pytest.importorskip("dask_cuda", reason="needs dask-cuda")
     da = pytest.importorskip("dask.array")
     from distributed import Client
@@ -485,6 +485,19 @@ def test_distributed_fit_on_a_cuda_cluster_with_each_loader():
             assert model.placement_["loader"] == loader
             np.testing.assert_array_equal(model.state_.coefficients, ref.state_.coefficients)
             np.testing.assert_array_equal(model.coef_history_, ref.coef_history_)
+        # Memory-mapped chunks are pinned whatever their size (only they, with
+        # the size rule off), and a refit takes the engine parked by the last.
+        from rh_dask.distributed import coordinator
+
+        monkeypatch.setattr(coordinator, "PIN_MAX_BYTES", 0)
+        da.to_npy_stack(tmp_path / "X", da.from_array(X, chunks=(5_000, 12)))
+        da.to_npy_stack(tmp_path / "y", da.from_array(y, chunks=5_000))
+        Xm, ym = da.from_npy_stack(tmp_path / "X"), da.from_npy_stack(tmp_path / "y")
+        for _ in range(2):
+            model = RenewableHuberRegressor(engine="gpu", dtype="float32", progress=False)
+            model.fit(Xm, ym)
+            assert model.placement_["engine_reused"]
+            np.testing.assert_array_equal(model.state_.coefficients, ref.state_.coefficients)
         # A NaN mid-stream is refused by the device check, naming the chunk.
         X_bad = X.copy()
         X_bad[17_000, 3] = np.nan

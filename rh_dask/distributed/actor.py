@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import mmap
 import os
 import sys
 from collections.abc import Callable
@@ -30,6 +31,7 @@ from distributed import get_worker
 from ..config import HuberConfig
 from ..engines import make_engine
 from ..state import HuberState
+from . import shelf
 from .chunks import ChunkGraph
 from .consumer import OrderedConsumer, Progress
 from .feeder import ChunkFeeder
@@ -67,6 +69,14 @@ class EngineActor:
     pin_max_bytes : int
         Delivered chunks up to this size are copied into the engine's pinned
         pool, when it has one (0: never).
+    pin_mapped : bool
+        Whether chunks that are views of a memory-mapped file are copied into
+        the pinned pool whatever their size: that copy is their read from the
+        page cache, so it replaces a copy rather than adding one.
+    keep_seconds : float
+        How long the engine stays parked on this worker after a clean stream,
+        for the next actor with the same engine, configuration and device
+        (see :mod:`.shelf`; 0: closed with the actor).
     """
 
     def __init__(
@@ -78,16 +88,25 @@ class EngineActor:
         switch_interval: float | None = None,
         heap_for_chunks: bool = False,
         pin_max_bytes: int = 0,
+        pin_mapped: bool = False,
+        keep_seconds: float = 0.0,
     ) -> None:
         self._switch_interval = switch_interval
         self._saved_interval: float | None = None
         self._heap_for_chunks = heap_for_chunks
         self._restore_heap: Callable[[], None] | None = None
-        self._consumer = OrderedConsumer(
+        # Workers of one process (a threaded LocalCluster) each keep their own.
+        self._shelf_key = (_worker_address(), engine, config, device, blas_threads)
+        self._keep_seconds = float(keep_seconds)
+        warm = shelf.take(self._shelf_key)
+        self.reused = warm is not None
+        self._consumer = warm or OrderedConsumer(
             lambda: make_engine(engine, config, device), blas_threads=blas_threads
         )
         self._pool = getattr(self._consumer.engine, "pinned_pool", None)
         self._pin_max_bytes = int(pin_max_bytes)
+        self._pin_mapped = bool(pin_mapped)
+        self._closed = False
         self._feeder: ChunkFeeder | None = None
 
     def describe(self) -> dict[str, Any]:
@@ -100,14 +119,18 @@ class EngineActor:
             "pid": os.getpid(),
         }
 
-    def begin(self, stream_id: str, state: HuberState | None) -> None:
-        """Start a stream from ``state`` (``None``: the empty state)."""
+    def begin(self, stream_id: str, state: HuberState | None) -> bool:
+        """Start a stream from ``state`` (``None``: the empty state).
+
+        Returns whether the engine was taken warm from this worker's shelf.
+        """
         self._consumer.begin(stream_id, state)
         if self._switch_interval is not None and self._saved_interval is None:
             self._saved_interval = sys.getswitchinterval()
             sys.setswitchinterval(self._switch_interval)
         if self._heap_for_chunks and self._restore_heap is None:
             self._restore_heap = heap_for_chunks()
+        return self.reused
 
     def feed(self, stream_id: str, graph: ChunkGraph, lookahead: int, threads: int) -> None:
         """Load the stream's chunks on this worker (``loader="actor"``), see :mod:`.feeder`."""
@@ -132,10 +155,14 @@ class EngineActor:
             self._feeder = None
 
     def close(self) -> None:
-        """Stop the engine thread."""
+        """Park the engine on this worker's shelf after a clean stream, else close it."""
+        if self._closed:
+            return
+        self._closed = True
         self._restore_worker_settings()
-        self._consumer.close()
         self._stop_feeder()
+        clean = self._consumer.failure is None and self._consumer.running
+        shelf.park(self._shelf_key, self._consumer, self._keep_seconds if clean else 0.0)
 
     def _restore_worker_settings(self) -> None:
         if self._saved_interval is not None:
@@ -153,10 +180,10 @@ class EngineActor:
         """The batch copied into the engine's pinned pool (on the calling thread)."""
         if self._pool is None or not isinstance(item, LoadedChunk):
             return item
-        if item.nbytes > self._pin_max_bytes:
-            return item
         if not isinstance(item.X, np.ndarray):
             return item  # device arrays need no staging
+        if item.nbytes > self._pin_max_bytes and not (self._pin_mapped and _mapped(item.X)):
+            return item
         try:
             # Never waits for pinned memory: while the pool grows (in the
             # background) a chunk goes as it is, and the engine stages it.
@@ -186,6 +213,27 @@ class EngineActor:
         finally:
             remove()
         return self._consumer.snapshot(n_records)
+
+
+def _worker_address() -> str | None:
+    try:
+        return get_worker().address
+    except ValueError:  # built outside a worker (tests)
+        return None
+
+
+def _mapped(a: np.ndarray) -> bool:
+    """Whether ``a`` is a view of a memory-mapped file (its bytes not read yet).
+
+    The ``mmap`` object itself is looked for: an ``np.memmap`` that travelled
+    through pickle is still an ``np.memmap`` but holds its bytes in memory.
+    """
+    base: Any = a
+    while base is not None:
+        if isinstance(base, mmap.mmap):
+            return True
+        base = getattr(base, "base", None)
+    return False
 
 
 def _local_actor(actor_key: str) -> EngineActor:

@@ -212,6 +212,18 @@ class OrderedConsumer:
         with self._cond:
             return self._next
 
+    @property
+    def failure(self) -> BadChunk | None:
+        """The chunk that stopped the current (or last) stream, if one did."""
+        with self._cond:
+            return self._failure
+
+    @property
+    def running(self) -> bool:
+        """Whether the engine thread is alive and not closed."""
+        with self._cond:
+            return not self._closed and self._thread.is_alive()
+
     def active(self, stream_id: str) -> bool:
         """Whether ``stream_id`` is the running stream and has not failed."""
         with self._cond:

@@ -78,6 +78,14 @@ FEEDER_THREADS: int | None = None
 #: extra copy halves what the loading threads deliver. Two sizes only: the
 #: threshold sits between them.
 PIN_MAX_BYTES = 48 << 20
+#: Whether chunks that are views of a memory-mapped file (``np.load(...,
+#: mmap_mode="r")``, ``dask.array.from_npy_stack``) are pinned whatever their
+#: size: copying them into pinned memory is their read, not an extra copy.
+PIN_MAPPED = True
+#: Seconds an engine stays parked on its worker after a clean stream, for the
+#: next fit with the same engine, configuration and device (see :mod:`.shelf`;
+#: 0: every stream starts a fresh engine).
+ENGINE_KEEP_SECONDS = 60.0
 
 
 @dataclass
@@ -231,6 +239,8 @@ class ClusterWalk:
             ENGINE_SWITCH_INTERVAL,
             HEAP_FOR_CHUNKS,
             PIN_MAX_BYTES,
+            PIN_MAPPED,
+            ENGINE_KEEP_SECONDS,
             actor=True,
             workers=[host.address],
             allow_other_workers=False,
@@ -371,7 +381,8 @@ class ClusterWalk:
         lost = False
         try:
             self._start_actor(host)
-            self._actor.begin(stream_id, self.initial_state).result()
+            reused = self._actor.begin(stream_id, self.initial_state).result()
+            self.outcome.placement["engine_reused"] = bool(reused)
             if mode == "actor":
                 threads = FEEDER_THREADS or max(2, host.nthreads // 2)
                 self._actor.feed(stream_id, graph, self.lookahead, threads).result()
