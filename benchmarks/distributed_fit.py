@@ -15,7 +15,9 @@ exactly the same chunks:
 * ``client_loop``: a plain loop computing each chunk through the client and
   calling our engine's ``partial_fit`` in this process;
 * ``engine_floor``: our engine alone on chunks already in this process's
-  memory (the best the engine can do);
+  memory, as the engine stages ordinary (pageable) arrays itself;
+* ``engine_floor_pinned`` (GPU): the same on chunks already in page-locked
+  memory, so that only their DMA remains: the best the engine can do;
 * ``load_floor``: reading every chunk with all cores, nothing else.
 
 Reported per chunk size: wall times, rows/s, pipeline efficiency =
@@ -25,7 +27,8 @@ single-process loop on the same engine. The opponents may run on a prefix of
 the rows (``--opponent-rows``) to bound the benchmark's time (the client loop
 on at most 2,097,152 rows); their rates are then per row and labelled so.
 Every method but the client loop runs ``--repeats`` times; the median run is
-reported, with all wall times.
+reported, with all wall times. Each ``rh_dask`` run also times a fit of two
+chunks (``two_chunk_fit_seconds``): the cost a fit pays whatever its size.
 
     # device (H200): 20M x 90 float32
     python benchmarks/distributed_fit.py --engine gpu --rows 20000000 \\
@@ -384,11 +387,17 @@ def _run_rh_dask(args, directory, chunk_rows, loader, lookahead) -> dict[str, An
     # Warm-up: worker imports, engine start-up (CUDA context, kernel compilation).
     warm = RenewableHuberRegressor(lookahead=lookahead, loader=loader, **params)
     warm.fit(*dask_inputs(directory, chunk_rows, rows=min(2 * chunk_rows, X.shape[0])))
+    # The cost every fit pays whatever its size: the same call on two chunks.
+    small = dask_inputs(directory, chunk_rows, rows=min(2 * chunk_rows, X.shape[0]))
+    tick = time.perf_counter()
+    RenewableHuberRegressor(lookahead=lookahead, loader=loader, **params).fit(*small)
+    two_chunk_seconds = time.perf_counter() - tick
     model = RenewableHuberRegressor(lookahead=lookahead, loader=loader, **params)
     wall, _, mem = measure(lambda: model.fit(X, y))
     history = model.history_
     return {
         "wall_seconds": wall,
+        "two_chunk_fit_seconds": two_chunk_seconds,
         "rows": int(X.shape[0]),
         "rows_per_second": X.shape[0] / wall,
         "engine_seconds_in_actor": float(history["seconds"].sum()),
@@ -481,15 +490,18 @@ def run_load_floor(directory, chunk_rows, rows, dtype, validate: bool) -> dict[s
     }
 
 
-def run_engine_floor(args, directory, chunk_rows, rows, config) -> dict[str, Any]:
+def run_engine_floor(args, directory, chunk_rows, rows, config, pinned=False) -> dict[str, Any]:
+    """The engine alone on chunks already in memory (``pinned``: page-locked memory)."""
     Xs, ys = open_rows(directory / "X.npy"), open_rows(directory / "y.npy")
+    engine = make_engine(args.engine, config)
+    pinned_pool = engine.pinned_pool if pinned else None  # created before the threads
 
     def load(b: tuple[int, int]) -> tuple[np.ndarray, np.ndarray]:
-        return in_memory(Xs[b[0] : b[1]]), in_memory(ys[b[0] : b[1]])
+        xb, yb = in_memory(Xs[b[0] : b[1]]), in_memory(ys[b[0] : b[1]])
+        return pinned_pool.copy_batch(xb, yb, None)[:2] if pinned_pool else (xb, yb)
 
     with ThreadPoolExecutor(os.cpu_count()) as pool:
         chunks = list(pool.map(load, bounds(rows, chunk_rows)))
-    engine = make_engine(args.engine, config)
     engine.partial_fit(*chunks[0])  # warm-up
     engine.reset()
     stream = getattr(engine, "partial_fit_stream", None)
@@ -647,6 +659,9 @@ def main(argv: list[str] | None = None) -> int:
                 guarded(methods, name, run)
             run = partial(run_engine_floor, args, directory, size, args.rows, config)
             guarded(methods, "engine_floor", run)
+            if args.engine == "gpu" and "engine_floor_pinned" not in skip:
+                run = partial(run_engine_floor, args, directory, size, args.rows, config, True)
+                guarded(methods, "engine_floor_pinned", run)
             summarize_entry(entry, args.lookahead, main_loader)
             payload["results"].append(entry)
             write_json(args.output, strip_private(payload))
