@@ -87,6 +87,19 @@ def _env_flag(name: str, default: bool) -> bool:
     return value.strip().lower() not in ("0", "false", "no", "off", "")
 
 
+_END = object()
+
+
+def _next_batch(iterator: Any) -> Any:
+    """The next batch of ``iterator``, skipping "not ready yet" (``None``); ``None`` at its end."""
+    while True:
+        batch = next(iterator, _END)
+        if batch is _END:
+            return None
+        if batch is not None:
+            return batch
+
+
 class GpuEngine:
     """Renewable Huber engine on one CUDA device (CuPy + RawKernels + cuSOLVER).
 
@@ -312,21 +325,29 @@ class GpuEngine:
         """Fit an iterable of ``(X, y)`` or ``(X, y, sample_weight)`` batches in order.
 
         Yields each batch's diagnostics. Host batches are copied one ahead:
-        the transfer of batch i+1 overlaps the solve of batch i.
+        the transfer of batch i+1 overlaps the solve of batch i, so batch i+1
+        is asked for before batch i is solved.
+
+        The iterable may yield ``None`` for "no batch is ready yet": the
+        engine then solves the batch in hand and asks again (and the iterable
+        may block then). A live source (the distributed walk) keeps one
+        stream going this way instead of ending it whenever a load is late.
         """
         iterator = iter(batches)
-        current = next(iterator, None)
+        current = _next_batch(iterator)
         if current is not None:
             self.prefetch(*current)
         while current is not None:
-            upcoming = next(iterator, None)
+            upcoming = next(iterator, _END)
             cp = self._cp
             with cp.cuda.Device(self._device_id):
                 inputs = self._inputs(*current)
-                if upcoming is not None:
+                if upcoming is not None and upcoming is not _END:
                     self.prefetch(*upcoming)
                 yield self._fit_device(*inputs)
-            current = upcoming
+            if upcoming is None:  # nothing was ready: now the engine may wait for it
+                upcoming = _next_batch(iterator)
+            current = None if upcoming is _END else upcoming
 
     def partial_fit(self, X: Any, y: Any, sample_weight: Any | None = None) -> BatchDiagnostics:
         """Advance the stream by one batch (host NumPy or device arrays); atomic on failure.
