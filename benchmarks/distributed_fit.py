@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib
 import json
 import os
 import sys
@@ -347,21 +348,39 @@ def stop_cluster(cluster: Any, client: Any, extra: list[Any]) -> None:
     cluster.close()
 
 
-@contextlib.contextmanager
-def coordinator_settings(variant: str) -> Iterator[None]:
-    """Set ``NAME=value`` module constants of the coordinator for one run."""
-    from rh_dask.distributed import coordinator
+def _set_constant(module: str, name: str, value: Any) -> Any:
+    """Set ``rh_dask.distributed.<module>.<name>`` in this process; return the old value."""
+    target = importlib.import_module(f"rh_dask.distributed.{module}")
+    old = getattr(target, name)
+    setattr(target, name, value)
+    return old
 
-    saved = {}
+
+@contextlib.contextmanager
+def coordinator_settings(variant: str, client: Any = None) -> Iterator[None]:
+    """Set module constants for one run.
+
+    ``NAME=value`` sets a constant of the coordinator (read in this process);
+    ``module.NAME=value`` one of ``rh_dask.distributed.<module>`` here and on
+    every worker (read where the engine runs, e.g. ``consumer.WAIT_IN_STREAM``).
+    """
+    saved: list[tuple[str, str, Any, bool]] = []
     try:
         for setting in [v for v in variant.split(",") if v]:
-            name, value = setting.split("=")
-            saved[name] = getattr(coordinator, name)
-            setattr(coordinator, name, json.loads(value))
+            path, value = setting.split("=")
+            module, _, name = path.rpartition(".")
+            value = json.loads(value)
+            remote = bool(module) and client is not None
+            module = module or "coordinator"
+            saved.append((module, name, _set_constant(module, name, value), remote))
+            if remote:
+                client.run(_set_constant, module, name, value)
         yield
     finally:
-        for name, value in saved.items():
-            setattr(coordinator, name, value)
+        for module, name, value, remote in reversed(saved):
+            _set_constant(module, name, value)
+            if remote:
+                client.run(_set_constant, module, name, value)
 
 
 # -- the methods ------------------------------------------------------------------------------
@@ -402,6 +421,9 @@ def _run_rh_dask(args, directory, chunk_rows, loader, lookahead) -> dict[str, An
         "rows_per_second": X.shape[0] / wall,
         "engine_seconds_in_actor": float(history["seconds"].sum()),
         "engine_wait_seconds_in_actor": float(history["wait_seconds"].sum()),
+        "engine_seconds_per_chunk_quantiles": {
+            q: float(history["seconds"].quantile(float(q))) for q in ("0.1", "0.5", "0.9", "1.0")
+        },
         "placement": model.placement_,
         "iterations_total": int(history["iterations"].sum()),
         **mem,
@@ -565,7 +587,8 @@ def main(argv: list[str] | None = None) -> int:
         help="extra runs of the headline loader with settings of "
         "rh_dask.distributed.coordinator, e.g. 'FEEDER_THREADS=4;HEAP_FOR_CHUNKS=false' "
         "(';' between runs, ',' between settings of one run; 'lookahead=16' sets the "
-        "estimator's look-ahead)",
+        "estimator's look-ahead; 'module.NAME=value' sets a constant of "
+        "rh_dask.distributed.<module> on every worker too)",
     )
     p.add_argument("--repeats", type=int, default=3, help="runs per method (median kept)")
     p.add_argument(
@@ -625,7 +648,8 @@ def main(argv: list[str] | None = None) -> int:
                 settings = dict(v.split("=") for v in variant.split(","))
                 k = int(settings.pop("lookahead", args.lookahead))
                 run = partial(run_rh_dask, args, directory, size, main_loader, k, client)
-                with coordinator_settings(",".join(f"{a}={b}" for a, b in settings.items())):
+                variant_settings = ",".join(f"{a}={b}" for a, b in settings.items())
+                with coordinator_settings(variant_settings, client):
                     guarded(methods, name, run)
                 print(name, methods[name].get("wall_seconds"), flush=True)
             for loader in other_loaders:
