@@ -87,19 +87,6 @@ def _env_flag(name: str, default: bool) -> bool:
     return value.strip().lower() not in ("0", "false", "no", "off", "")
 
 
-_END = object()
-
-
-def _next_batch(iterator: Any) -> Any:
-    """The next batch of ``iterator``, skipping "not ready yet" (``None``); ``None`` at its end."""
-    while True:
-        batch = next(iterator, _END)
-        if batch is _END:
-            return None
-        if batch is not None:
-            return batch
-
-
 class GpuEngine:
     """Renewable Huber engine on one CUDA device (CuPy + RawKernels + cuSOLVER).
 
@@ -325,29 +312,21 @@ class GpuEngine:
         """Fit an iterable of ``(X, y)`` or ``(X, y, sample_weight)`` batches in order.
 
         Yields each batch's diagnostics. Host batches are copied one ahead:
-        the transfer of batch i+1 overlaps the solve of batch i, so batch i+1
-        is asked for before batch i is solved.
-
-        The iterable may yield ``None`` for "no batch is ready yet": the
-        engine then solves the batch in hand and asks again (and the iterable
-        may block then). A live source (the distributed walk) keeps one
-        stream going this way instead of ending it whenever a load is late.
+        the transfer of batch i+1 overlaps the solve of batch i.
         """
         iterator = iter(batches)
-        current = _next_batch(iterator)
+        current = next(iterator, None)
         if current is not None:
             self.prefetch(*current)
         while current is not None:
-            upcoming = next(iterator, _END)
+            upcoming = next(iterator, None)
             cp = self._cp
             with cp.cuda.Device(self._device_id):
                 inputs = self._inputs(*current)
-                if upcoming is not None and upcoming is not _END:
+                if upcoming is not None:
                     self.prefetch(*upcoming)
                 yield self._fit_device(*inputs)
-            if upcoming is None:  # nothing was ready: now the engine may wait for it
-                upcoming = _next_batch(iterator)
-            current = None if upcoming is _END else upcoming
+            current = upcoming
 
     def partial_fit(self, X: Any, y: Any, sample_weight: Any | None = None) -> BatchDiagnostics:
         """Advance the stream by one batch (host NumPy or device arrays); atomic on failure.

@@ -174,11 +174,6 @@ class PinnedPool:
         self._closed = False
         self._growing = False
         self.allocated_bytes = 0
-        #: Buffers a growth in the background fills up to (idle ones of the
-        #: missed size plus leased ones): a caller that knows how many batches
-        #: it keeps alive sets it, so that one miss, not one per buffer, grows
-        #: the pool.
-        self.target_buffers = 1
 
     @property
     def buffers(self) -> int:
@@ -250,32 +245,26 @@ class PinnedPool:
         return None
 
     def _grow(self, size: int) -> None:
-        more = True
-        while more:
-            try:
-                buffer = self._allocate(size)
-            except Exception:  # out of page-locked memory: batches keep arriving pageable
-                with self._lock:
-                    self._growing = False
-                return
-            drop: PinnedBuffer | None = buffer
+        try:
+            buffer = self._allocate(size)
+        except Exception:  # out of page-locked memory: batches keep arriving pageable
             with self._lock:
-                more = False
-                if not self._closed:
-                    # Replace an idle buffer too small for this batch size, if any.
-                    small = [b for b in self._idle if b.nbytes < size]
-                    drop = small[0] if small else None
-                    if drop is not None:
-                        self._idle.remove(drop)
-                        self.allocated_bytes -= drop.nbytes
-                    self._idle.append(buffer)
-                    self.allocated_bytes += buffer.nbytes
-                    fitting = sum(b.nbytes >= size for b in self._idle) + self._leased
-                    more = fitting < self.target_buffers
-                if not more:
-                    self._growing = False
-            if drop is not None:
-                drop.free()
+                self._growing = False
+            return
+        drop: PinnedBuffer | None = buffer
+        with self._lock:
+            self._growing = False
+            if not self._closed:
+                # Replace an idle buffer too small for this batch size, if any.
+                small = [b for b in self._idle if b.nbytes < size]
+                drop = small[0] if small else None
+                if drop is not None:
+                    self._idle.remove(drop)
+                    self.allocated_bytes -= drop.nbytes
+                self._idle.append(buffer)
+                self.allocated_bytes += buffer.nbytes
+        if drop is not None:
+            drop.free()
 
     def _take(self, nbytes: int) -> PinnedBuffer:
         size = -(-nbytes // POOL_GRANULE) * POOL_GRANULE

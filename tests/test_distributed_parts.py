@@ -116,28 +116,16 @@ class _StreamingEngine(_RecordingEngine):
     """
 
     refuse_staging: float | None = None
-    streams = 0  # calls of partial_fit_stream
 
     def partial_fit_stream(self, batches):
-        # The GPU engine's protocol: None means "not ready yet, ask again after
-        # solving the batch in hand".
-        self.streams += 1
-        end = object()
         it = iter(batches)
-
-        def pull():
-            while (batch := next(it, end)) is None:
-                pass
-            return None if batch is end else batch
-
-        current = pull()
+        current = next(it, None)
         while current is not None:
-            upcoming = next(it, end)
-            if upcoming is not None and upcoming is not end:
-                if float(upcoming[0][0, 0]) == self.refuse_staging:
-                    raise ValidationError("cannot stage this batch")
+            upcoming = next(it, None)
+            if upcoming is not None and float(upcoming[0][0, 0]) == self.refuse_staging:
+                raise ValidationError("cannot stage this batch")
             yield self.partial_fit(*current)
-            current = pull() if upcoming is None else None if upcoming is end else upcoming
+            current = upcoming
 
     def partial_fit(self, X, y, sample_weight=None):
         if float(X[0, 0]) == self.refuse_staging:
@@ -182,39 +170,6 @@ def test_consumer_uses_partial_fit_stream_in_order(refuse):
         assert consumer.end("s")[0].equals(ref.export_state())
     finally:
         consumer.close()
-
-
-@pytest.mark.parametrize("hold", [True, False])
-def test_a_late_chunk_is_awaited_inside_the_stream(monkeypatch, hold):
-    from rh_dask.distributed import consumer as consumer_module
-
-    monkeypatch.setattr(consumer_module, "WAIT_IN_STREAM", hold)
-    consumer = OrderedConsumer(lambda: _StreamingEngine(HuberConfig()))
-    try:
-        consumer.begin("s", None)
-        items = _chunks(4)
-        for item in items:  # every chunk arrives after the engine ran dry
-            consumer.deliver("s", item)
-            _wait(consumer, item.index + 1)
-            threading.Event().wait(0.05)
-        snap = consumer.snapshot()
-        assert [r.chunk for r in snap.records] == [0, 1, 2, 3]
-        # One stream throughout, or one per chunk when it ends at every late load.
-        assert consumer.call(lambda: consumer.engine.streams) == (1 if hold else 4)
-        # The time spent waiting is the next chunk's wait, never its engine time.
-        assert all(r.seconds < 0.04 for r in snap.records)
-        assert all(r.wait_seconds >= 0.04 for r in snap.records[1:])
-        ref = _loop_state(items)
-        assert consumer.end("s")[0].equals(ref)
-    finally:
-        consumer.close()
-
-
-def _loop_state(items):
-    ref = NumpyEngine(HuberConfig())
-    for item in items:
-        ref.partial_fit(item.X, item.y)
-    return ref.export_state()
 
 
 def test_engine_that_cannot_start_raises_from_the_constructor():

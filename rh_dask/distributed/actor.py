@@ -135,10 +135,6 @@ class EngineActor:
     def feed(self, stream_id: str, graph: ChunkGraph, lookahead: int, threads: int) -> None:
         """Load the stream's chunks on this worker (``loader="actor"``), see :mod:`.feeder`."""
         self._stop_feeder()
-        if self._pool is not None:
-            # Chunks alive at once: the look-ahead, the two the engine stages
-            # and one being copied; one miss then grows the pool to all of them.
-            self._pool.target_buffers = int(lookahead) + 3
         self._feeder = ChunkFeeder(
             graph, self._consumer, stream_id, lookahead, threads, self._pinned
         )

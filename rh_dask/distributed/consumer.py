@@ -95,14 +95,6 @@ def blas_limiter(threads: int | None) -> Callable[[], Any]:
     return lambda: controller.limit(limits=threads, user_api="blas")
 
 
-#: Whether a stream of ``partial_fit_stream`` keeps going when the next chunk
-#: is late: the engine solves the batch in hand and then waits for the next
-#: chunk inside the same stream. Otherwise the stream ends and a new one
-#: starts when the chunk arrives, and the first copy of every new stream
-#: overlaps no solve: with loads as fast as the engine, that is every chunk.
-WAIT_IN_STREAM = True
-
-
 class OrderedConsumer:
     """Own an engine on a dedicated thread and feed it chunks in index order.
 
@@ -210,9 +202,8 @@ class OrderedConsumer:
             if stream_id != self._stream or item.index < self._next:
                 return False
             self._inbox[item.index] = item
-            # Always: a stream waiting inside ``partial_fit_stream`` may be
-            # ahead of ``_next`` (empty chunks settle after the next batch).
-            self._cond.notify_all()
+            if item.index == self._next:
+                self._cond.notify_all()
             return True
 
     @property
@@ -379,47 +370,23 @@ class OrderedConsumer:
 
         An engine offering ``partial_fit_stream`` (the GPU engine) copies batch
         ``i + 1`` to its device while it solves batch ``i``. It pulls the next
-        batch before solving the current one, so the generator below never
-        waits for a load while the engine has a batch in hand: it answers
-        "not yet" (``None``) and waits only when asked again, once that batch
-        is solved (see :data:`WAIT_IN_STREAM`). The run ends at a command, a
-        failure or the end of the stream.
+        batch before solving the current one, so the generator below only
+        hands out chunks that are already here and ends the run otherwise:
+        the engine never waits for a load with a solved-ready batch in hand.
         """
         pending: deque[ChunkItem] = deque()  # handed to the engine, not yet settled
         stopped: list[BadChunk] = []
         cursor = self._next
-        hold = WAIT_IN_STREAM
-        start = time.perf_counter()
 
-        def batches() -> Iterator[tuple[Any, Any, Any] | None]:
-            nonlocal cursor, start
-            idle = False  # True once the engine has nothing left in hand
+        def batches() -> Iterator[tuple[Any, Any, Any]]:
+            nonlocal cursor
             while True:
                 with self._cond:
-                    waited_from = None
-                    while True:
-                        if self._commands or self._closed or self._stream is None:
-                            return
-                        item = self._inbox.pop(cursor, None)
-                        if item is not None or not idle:
-                            break
-                        if waited_from is None:
-                            waited_from = time.perf_counter()
-                        self._cond.wait()
-                    if waited_from is not None:
-                        # Idle time is the next batch's wait, not its engine time.
-                        waited = time.perf_counter() - waited_from
-                        self._waited += waited
-                        start += waited
-                if item is None:
-                    if not hold:
+                    if self._commands or self._closed or self._stream is None:
                         return
-                    # Not here yet: the engine solves the batch in hand, then
-                    # asks again and waits here, in the same stream.
-                    idle = True
-                    yield None
-                    continue
-                idle = False
+                    item = self._inbox.pop(cursor, None)
+                if item is None:
+                    return
                 cursor += 1
                 if isinstance(item, BadChunk):
                     stopped.append(item)
@@ -428,6 +395,7 @@ class OrderedConsumer:
                 if isinstance(item, LoadedChunk):
                     yield item.X, item.y, item.sample_weight
 
+        start = time.perf_counter()
         try:
             with self._limit():
                 for diag in self.engine.partial_fit_stream(batches()):
