@@ -598,6 +598,11 @@ def main(argv: list[str] | None = None) -> int:
         help="read chunks with pread into fresh arrays, or as views of a memory map "
         "(as dask.array.from_npy_stack does)",
     )
+    p.add_argument(
+        "--free-affinity",
+        action="store_true",
+        help="let the workers' threads run on every CPU (undo dask-cuda's CPU affinity)",
+    )
     p.add_argument("--output", default="benchmarks/results/distributed_fit.json")
     args = p.parse_args(argv)
 
@@ -623,6 +628,8 @@ def main(argv: list[str] | None = None) -> int:
         "results": [],
     }
     cluster, client, extra = start_cluster(args.engine, threads, 0, 0)
+    if args.free_affinity:
+        payload["affinity_freed_threads"] = client.run(free_affinity)
     payload["cluster"] = describe_cluster(client)
     try:
         for size in sizes:
@@ -698,11 +705,36 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def _affinity() -> dict[str, Any]:
+    """CPUs each thread of this process may run on (dask-cuda pins workers near their GPU)."""
+    cpus = {}
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            cpus[tid] = sorted(os.sched_getaffinity(int(tid)))
+        except OSError:  # the thread ended meanwhile
+            pass
+    distinct = sorted({tuple(c) for c in cpus.values()})
+    return {"cpu_count": os.cpu_count(), "threads": len(cpus), "cpu_sets": distinct}
+
+
+def free_affinity() -> int:
+    """Let every thread of this process run on every CPU; returns the threads changed."""
+    every = range(os.cpu_count() or 1)
+    changed = 0
+    for tid in os.listdir("/proc/self/task"):
+        with contextlib.suppress(OSError):
+            os.sched_setaffinity(int(tid), every)
+            changed += 1
+    return changed
+
+
 def describe_cluster(client: Any) -> dict[str, Any]:
     workers = {
         addr: {"nthreads": w["nthreads"], "resources": w.get("resources", {})}
         for addr, w in client.scheduler_info(n_workers=-1)["workers"].items()
     }
+    for addr, affinity in client.run(_affinity).items():
+        workers[addr]["affinity"] = affinity
     return {"kind": CLUSTER_KIND.get("kind"), "workers": workers}
 
 
