@@ -362,7 +362,7 @@ def coordinator_settings(variant: str, client: Any = None) -> Iterator[None]:
 
     ``NAME=value`` sets a constant of the coordinator (read in this process);
     ``module.NAME=value`` one of ``rh_dask.distributed.<module>`` here and on
-    every worker (read where the engine runs, e.g. ``consumer.WAIT_IN_STREAM``).
+    every worker (read where the engine runs, e.g. ``consumer.STREAM_BLAS_THREADS``).
     """
     saved: list[tuple[str, str, Any, bool]] = []
     try:
