@@ -475,14 +475,6 @@ class GpuEngine:
             rt.memcpyAsync(
                 ws.ctl_ptr, ws.header.ptr, layout.CTL_BYTES, rt.memcpyHostToDevice, stream.ptr
             )
-            nbytes = p * ws.item
-            rt.memcpyAsync(
-                ws.beta_work.data.ptr,
-                ws.beta.data.ptr,
-                nbytes,
-                rt.memcpyDeviceToDevice,
-                stream.ptr,
-            )
             self._kernels.rh_build(
                 (self._grid(n),),
                 (layout.ROW_THREADS,),
@@ -501,6 +493,8 @@ class GpuEngine:
                     ws.partials,
                     ws.ctl,
                     ws.status_ptr,
+                    ws.beta,
+                    ws.beta_work,
                 ),
             )
             if staged is not None:
