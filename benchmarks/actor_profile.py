@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from common import environment, write_json
-from distributed_fit import dask_inputs, start_cluster, stop_cluster, write_dataset
+from distributed_fit import SOURCE, dask_inputs, start_cluster, stop_cluster, write_dataset
 
 from rh_dask import RenewableHuberRegressor
 
@@ -58,6 +58,7 @@ def start_sampler(interval: float, dask_worker: Any = None) -> None:
                 if ident != me:
                     name = names.get(ident, "?")
                     kind = "loader" if "Dask-Default-Threads" in name else name
+                    kind = "feeder" if name.startswith("rh-dask-feed_") else kind
                     counts[(kind, where(frame))] += 1
 
     thread = threading.Thread(target=loop, name="rh-sampler", daemon=True)
@@ -133,8 +134,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--top", type=int, default=12)
     p.add_argument("--variants", default="default,noprofile")
     p.add_argument("--data-dir", default="/tmp/rhbench")
+    p.add_argument("--source", choices=["pread", "mmap"], default="pread")
     p.add_argument("--output", default="benchmarks/results/actor_profile.json")
     args = p.parse_args(argv)
+    SOURCE["kind"] = args.source
     directory = Path(args.data_dir)
     dataset = write_dataset(directory, args.rows, args.features, args.dtype)
     payload: dict[str, Any] = {
