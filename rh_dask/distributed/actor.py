@@ -2,11 +2,14 @@
 
 The actor is a ``dask.distributed`` Actor wrapping an :class:`OrderedConsumer`.
 Chunks never reach it through actor calls (a Future passed to an actor method
-arrives unresolved, and every call is a round trip): the chunk's own task,
-pinned to the actor's worker, finds the actor in that worker's memory and
-drops the loaded batch into its inbox (:func:`deliver_chunk`). The only calls
-the coordinator makes are ``begin``, a long-polling ``progress`` (one per
-several chunks) and ``end``.
+arrives unresolved, and every call is a round trip). Either the actor's
+worker computes them itself (``feed``: the chunk plan once, then a
+:class:`~.feeder.ChunkFeeder`), or each chunk's own task, pinned to the
+actor's worker, finds the actor in that worker's memory and drops the loaded
+batch into its inbox (:func:`deliver_chunk`). The coordinator's calls are
+``begin``, ``feed`` (with that loader), a long-polling ``progress`` and
+``end``, then ``close``, which parks a cleanly stopped engine on the worker
+for the next actor (:mod:`.shelf`).
 
 When the engine offers a pinned pool (the GPU engine), the delivering task
 copies its batch into page-locked memory before handing it over. The copy
