@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pickle
 import threading
+import time
 
 import dask.array as da
 import numpy as np
@@ -353,9 +354,9 @@ def test_shelf_parks_takes_replaces_and_expires():
     assert not first.running and second.running
     assert shelf.take(key) is second
     shelf.park(key, second, 0.05)
-    deadline = threading.Event()
-    while second.running and not deadline.wait(0.02):
-        pass
+    deadline = time.monotonic() + 10
+    while second.running and time.monotonic() < deadline:
+        time.sleep(0.02)
     assert shelf.take(key) is None and not second.running
     third = _consumer()
     shelf.park(key, third, 0)  # no keep time: closed at once
