@@ -51,9 +51,10 @@ from rh_dask.state import BatchDiagnostics, HuberState
 
 from . import layout
 from ._cuda import import_cupy, resolve_device
+from .driver import CapturedGraph, DriverCalls
 from .kernels import Launch, get_kernels
 from .solver import DenseSolver
-from .transfer import HostStager, PinnedBuffer, PinnedPool, StagedBatch, as_device_array
+from .transfer import HostStager, PinnedPool, StagedBatch, as_device_array
 from .workspace import Workspace
 
 __all__ = ["GpuEngine"]
@@ -149,19 +150,22 @@ class GpuEngine:
         self._closed = True
         with cp.cuda.Device(self._device_id):
             self._kernels = get_kernels(cp, self._device_id, self._dtype)
+            self._calls = DriverCalls(cp)
             self._stream = cp.cuda.Stream(non_blocking=True)
             self._dense = DenseSolver(cp, self._device_id, self._stream, self._dtype)
             # Row kernels run 2 blocks of 512 threads per multiprocessor by default.
             per_sm = int(os.environ.get("RH_DASK_GPU_BLOCKS_PER_SM", "2"))
             self._max_grid = max(1, per_sm) * self._kernels.multiprocessors
             self._ws = Workspace(cp, self._dtype, self._max_grid)
-            self._stager = HostStager(cp, self._device_id, self._dtype, copy_threads)
+            self._stager = HostStager(
+                cp, self._device_id, self._dtype, copy_threads, calls=self._calls
+            )
             self._caller_ready = cp.cuda.Event(disable_timing=True)
             self._done_event = cp.cuda.Event(disable_timing=True)
         self._closed = False
         self._graphs_enabled = _env_flag("RH_DASK_GPU_GRAPHS", True) if graphs is None else graphs
         self._graph_error: str | None = None
-        self._graph_cache: dict[tuple[Any, ...], Any] = {}
+        self._graph_cache: dict[tuple[Any, ...], CapturedGraph] = {}
         self._graph_generation = -1
         self._counters: _Counters | None = None
         self._host_beta: np.ndarray | None = None
@@ -169,7 +173,6 @@ class GpuEngine:
         self._last_lamm_iterations = 4
         self._small_solve = False
         self._pinned_pool: PinnedPool | None = None
-        self._beta_buffer: PinnedBuffer | None = None
 
     @property
     def pinned_pool(self) -> PinnedPool:
@@ -259,6 +262,7 @@ class GpuEngine:
         with cp.cuda.Device(self._device_id), self._stream:
             self._ws.ensure_params(state.n_params)
             self._ws.beta.set(np.ascontiguousarray(state.coefficients), stream=self._stream)
+            self._ws.beta_host[...] = state.coefficients
             self._ws.J.set(np.ascontiguousarray(state.information), stream=self._stream)
             self._stream.synchronize()
         self._counters = _Counters(
@@ -281,11 +285,9 @@ class GpuEngine:
             self._stager.close()
             if self._pinned_pool is not None:
                 self._pinned_pool.close()
-            if self._beta_buffer is not None:
-                self._beta_buffer.free()
+            self._drop_graphs()
             self._ws.close()
             self._dense.close()
-        self._graph_cache.clear()
 
     def __del__(self) -> None:  # pragma: no cover - depends on interpreter shutdown
         try:
@@ -461,8 +463,9 @@ class GpuEngine:
         counters = self._counters or _Counters(n_features_in=d, fit_intercept=cfg.fit_intercept)
         stream = self._stream
         with stream:
+            calls = self._calls
             if staged is not None:
-                stream.wait_event(staged.slot.ready)
+                calls.stream_wait(stream.ptr, staged.slot.ready.ptr)
             fresh = ws.ensure_params(p)
             if self._counters is None and not fresh:
                 ws.beta.fill(0)
@@ -471,13 +474,12 @@ class GpuEngine:
             self._dense.prepare(p, ws.H)
             schedule = None if w is not None else batch_schedule(cfg, counters, float(n))
             self._write_header(schedule, p)
-            rt = self._cp.cuda.runtime
-            rt.memcpyAsync(
-                ws.ctl_ptr, ws.header.ptr, layout.CTL_BYTES, rt.memcpyHostToDevice, stream.ptr
-            )
-            self._kernels.rh_build(
-                (self._grid(n),),
-                (layout.ROW_THREADS,),
+            calls.copy_to_device(ws.ctl_ptr, ws.header.ptr, layout.CTL_BYTES, stream.ptr)
+            Launch(
+                calls,
+                self._kernels.rh_build,
+                self._grid(n),
+                layout.ROW_THREADS,
                 (
                     X,
                     d,
@@ -496,28 +498,21 @@ class GpuEngine:
                     ws.beta,
                     ws.beta_work,
                 ),
-            )
+            )(stream.ptr)
             if staged is not None:
                 staged.slot.consumed.record(stream)
             if schedule is None:
                 # Σw decides N, h and λ: read it (and the validation flags) first.
-                stream.synchronize()
+                calls.synchronize(stream)
                 self._raise_if_invalid()
                 total_w = float(ws.status_d[layout.S_WSUM])
                 if not total_w > 0:
                     raise ValidationError("sample_weight must have a positive sum")
                 schedule = batch_schedule(cfg, counters, total_w)
                 self._write_header(schedule, p)
-                rt.memcpyAsync(
-                    ws.ctl_ptr,
-                    ws.header.ptr,
-                    layout.N_PARAM * 8,
-                    rt.memcpyHostToDevice,
-                    stream.ptr,
-                )
+                calls.copy_to_device(ws.ctl_ptr, ws.header.ptr, layout.N_PARAM * 8, stream.ptr)
             if self._graph_generation != ws.generation:
-                self._graph_cache.clear()
-                self._launches.clear()
+                self._drop_graphs()
                 self._graph_generation = ws.generation
             if cfg.penalised:
                 self._solve_lamm(n)
@@ -591,7 +586,7 @@ class GpuEngine:
         self._run(("prime", n), lambda: self._eval_and_gram(n))
         for it in range(self.config.max_iter):
             self._run(("step", n), lambda: self._newton_step(n))
-            self._stream.synchronize()
+            self._calls.synchronize(self._stream)
             if it == 0:
                 self._raise_if_invalid()
             if ws.status_i[layout.I_FALLBACK]:
@@ -602,7 +597,7 @@ class GpuEngine:
                 self._newton_search(n, force=1)
                 self._eval_and_gram(n)
                 self._commit_finish()
-                self._stream.synchronize()
+                self._calls.synchronize(self._stream)
             if ws.status_i[layout.I_DONE]:
                 return
 
@@ -624,7 +619,7 @@ class GpuEngine:
                 bit <<= 1
             self._run(("commit", n), lambda: self._commit(n))
             rounds_left -= queue
-            self._stream.synchronize()
+            self._calls.synchronize(self._stream)
             if first:
                 self._raise_if_invalid()
                 first = False
@@ -640,7 +635,7 @@ class GpuEngine:
         launch = self._launches.get(key)
         if launch is None:
             kernel = getattr(self._kernels, name)
-            launch = Launch(self._cp, kernel, grid, block, args, shared)
+            launch = Launch(self._calls, kernel, grid, block, args, shared)
             self._launches[key] = launch
         launch(self._stream.ptr)
 
@@ -755,7 +750,10 @@ class GpuEngine:
             "rh_commit_finish",
             1,
             layout.SMALL_THREADS,
-            (ws.C, ws.J, ws.beta_work, ws.beta, ws.p, ws.ctl, ws.beta, ws.status_ptr),
+            (
+                *(ws.C, ws.J, ws.beta_work, ws.beta, ws.p, ws.ctl, ws.beta),
+                *(ws.status_ptr, ws.beta_host_ptr),
+            ),
         )
 
     def _lamm_shape(self) -> tuple[int, int, int]:
@@ -852,48 +850,31 @@ class GpuEngine:
                 body()
                 return
             self._graph_cache[key] = graph
-        graph.launch(self._stream)
+        graph.launch(self._stream.ptr)
 
-    def _capture(self, body: Any) -> Any:
-        stream = self._stream
+    def _capture(self, body: Any) -> CapturedGraph | None:
         try:
-            stream.begin_capture()
-            try:
-                body()
-            finally:
-                graph = stream.end_capture()
+            return CapturedGraph(self._cp, self._calls, self._stream, body)
         except Exception as exc:  # e.g. a library call that cannot be captured
             self._graphs_enabled = False
             self._graph_error = f"{type(exc).__name__}: {exc}"
-            self._graph_cache.clear()
+            self._drop_graphs()
             return None
-        return graph
+
+    def _drop_graphs(self) -> None:
+        for graph in self._graph_cache.values():
+            graph.close()
+        self._graph_cache.clear()
+        self._launches.clear()
 
     # -- helpers ---------------------------------------------------------------------------
     def _beta_on_host(self) -> np.ndarray:
         self._require_state()
         if self._host_beta is None:
-            # One queued copy into pinned memory and one wait: the distributed
-            # walk reads β after every batch, on a thread that competes for
-            # the interpreter lock at each CUDA call.
-            cp = self._cp
-            beta = self._ws.beta
-            nbytes = beta.size * beta.itemsize
-            if self._beta_buffer is None or self._beta_buffer.nbytes < nbytes:
-                if self._beta_buffer is not None:
-                    self._beta_buffer.free()
-                self._beta_buffer = PinnedBuffer(cp, nbytes)
-            rt = cp.cuda.runtime
-            with cp.cuda.Device(self._device_id):
-                rt.memcpyAsync(
-                    self._beta_buffer.ptr,
-                    beta.data.ptr,
-                    nbytes,
-                    rt.memcpyDeviceToHost,
-                    self._stream.ptr,
-                )
-                self._stream.synchronize()
-            self._host_beta = self._beta_buffer.view(beta.dtype, beta.size).copy()
+            # The commit kernel mirrors β into host-mapped memory and the host
+            # has synchronised since: reading it needs no CUDA call (the
+            # distributed walk reads β after every batch).
+            self._host_beta = self._ws.beta_host.copy()
         return self._host_beta
 
 

@@ -13,11 +13,14 @@ import ctypes
 import threading
 from pathlib import Path
 from types import ModuleType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from . import layout
+
+if TYPE_CHECKING:
+    from .driver import DriverCalls
 
 SOURCE = Path(__file__).with_name("kernels") / "huber.cu"
 
@@ -92,13 +95,13 @@ class Launch:
     every call (several microseconds for a dozen arguments); the iteration
     kernels are launched with the same arguments thousands of times, so they
     are packed into a ctypes parameter block once and launched through
-    ``cuLaunchKernel`` directly. Every parameter of these kernels is 8 bytes
-    (a pointer or a ``long long``).
+    ``cuLaunchKernel`` directly (:class:`gpu_engine.driver.DriverCalls`).
+    Every parameter of these kernels is 8 bytes (a pointer or a ``long long``).
 
     Parameters
     ----------
-    cp : module
-        CuPy.
+    calls : DriverCalls
+        Makes the launch.
     kernel : cupy.RawKernel
         The kernel (its device's context must be current).
     grid, block : int
@@ -109,10 +112,16 @@ class Launch:
         Dynamic shared memory in bytes.
     """
 
-    __slots__ = ("_block", "_fptr", "_grid", "_launch", "_params", "_ptrs", "_shared", "_values")
+    __slots__ = ("_block", "_calls", "_fptr", "_grid", "_params", "_ptrs", "_shared", "_values")
 
     def __init__(
-        self, cp: ModuleType, kernel: Any, grid: int, block: int, args: Any, shared_mem: int = 0
+        self,
+        calls: DriverCalls,
+        kernel: Any,
+        grid: int,
+        block: int,
+        args: Any,
+        shared_mem: int = 0,
     ) -> None:
         values = [int(a.data.ptr) if hasattr(a, "data") else int(a) for a in args]
         self._values = (ctypes.c_int64 * len(values))(*values)
@@ -120,9 +129,10 @@ class Launch:
         self._ptrs = (ctypes.c_void_p * len(values))(*[base + 8 * i for i in range(len(values))])
         self._params = ctypes.addressof(self._ptrs)
         self._fptr = int(kernel.kernel.ptr)
-        self._launch = cp.cuda.driver.launchKernel
+        self._calls = calls
         self._grid, self._block, self._shared = int(grid), int(block), int(shared_mem)
 
     def __call__(self, stream_ptr: int) -> None:
-        g, b = self._grid, self._block
-        self._launch(self._fptr, g, 1, 1, b, 1, 1, self._shared, stream_ptr, self._params, 0)
+        self._calls.launch(
+            self._fptr, self._grid, self._block, self._shared, stream_ptr, self._params
+        )

@@ -34,6 +34,8 @@ import numpy as np
 
 from rh_dask.exceptions import ValidationError
 
+from .driver import DriverCalls
+
 # DLPack device types (dlpack.h): kDLCPU, kDLCUDA, kDLCUDAHost, kDLCUDAManaged.
 _KDL_CUDA = 2
 _KDL_NAMES = {1: "CPU", 2: "CUDA", 3: "CUDA pinned host", 13: "CUDA managed"}
@@ -374,10 +376,21 @@ class HostStager:
         The engine's dtype (host arrays must already have it).
     threads : int
         Threads copying pageable rows into pinned memory in parallel.
+    calls : DriverCalls, optional
+        Queues the copies and stream waits (default: the engine's choice,
+        :data:`gpu_engine.driver.HOLD_GIL`).
     """
 
-    def __init__(self, cp: ModuleType, device_id: int, dtype: np.dtype, threads: int = 4) -> None:
+    def __init__(
+        self,
+        cp: ModuleType,
+        device_id: int,
+        dtype: np.dtype,
+        threads: int = 4,
+        calls: DriverCalls | None = None,
+    ) -> None:
         self._cp = cp
+        self._calls = calls if calls is not None else DriverCalls(cp)
         self._device_id = device_id
         self._dtype = np.dtype(dtype)
         with cp.cuda.Device(device_id):
@@ -405,8 +418,8 @@ class HostStager:
             if slot.used:
                 # The pinned buffer is rewritten below: its previous DMA must be over;
                 # the device buffers too: the engine must have read them.
-                slot.copied.synchronize()
-                self.stream.wait_event(slot.consumed)
+                self._calls.event_wait(slot.copied)
+                self._calls.stream_wait(self.stream.ptr, slot.consumed.ptr)
                 if n > slot.rows or d != slot.cols:
                     slot.consumed.synchronize()  # the old buffers are about to be freed
             # Only arrays DMA'd in place need to outlive this call (pageable ones
@@ -448,23 +461,22 @@ class HostStager:
             )
 
     def _h2d_small(self, src: np.ndarray, pinned: np.ndarray, dst: int, pinned_ptr: int) -> None:
-        rt = self._cp.cuda.runtime
         nbytes = src.size * src.itemsize
         if src.flags.c_contiguous and is_pinned(self._cp, src):
-            rt.memcpyAsync(dst, src.ctypes.data, nbytes, rt.memcpyHostToDevice, self.stream.ptr)
+            self._calls.copy_to_device(dst, src.ctypes.data, nbytes, self.stream.ptr)
             return
         np.copyto(pinned, src)
-        rt.memcpyAsync(dst, pinned_ptr, nbytes, rt.memcpyHostToDevice, self.stream.ptr)
+        self._calls.copy_to_device(dst, pinned_ptr, nbytes, self.stream.ptr)
 
     def _copy_rows(
         self, X: np.ndarray, pinned: np.ndarray, dst: int, pinned_ptr: int, row_bytes: int
     ) -> None:
         """X → pinned (parallel chunks) → device, each chunk's DMA queued when it is ready."""
-        rt = self._cp.cuda.runtime
+        rt, calls = self._cp.cuda.runtime, self._calls
         n = X.shape[0]
         stream_ptr = self.stream.ptr
         if X.flags.c_contiguous and is_pinned(self._cp, X):
-            rt.memcpyAsync(dst, X.ctypes.data, n * row_bytes, rt.memcpyHostToDevice, stream_ptr)
+            calls.copy_to_device(dst, X.ctypes.data, n * row_bytes, stream_ptr)
             return
         rows = max(1, CHUNK_BYTES // max(row_bytes, 1))
         bounds = [(s, min(s + rows, n)) for s in range(0, n, rows)]
@@ -473,11 +485,10 @@ class HostStager:
         def chunk(lo: int, hi: int) -> None:
             np.copyto(pinned[lo:hi], X[lo:hi])  # releases the GIL
             rt.setDevice(device_id)
-            rt.memcpyAsync(
+            calls.copy_to_device(
                 dst + lo * row_bytes,
                 pinned_ptr + lo * row_bytes,
                 (hi - lo) * row_bytes,
-                rt.memcpyHostToDevice,
                 stream_ptr,
             )
 

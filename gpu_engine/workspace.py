@@ -53,6 +53,8 @@ class Workspace:
         self.header_d = self.header.view(np.float64, layout.N_DOUBLE)
         self.header_i = self.header.view(np.int32, layout.N_INT, layout.N_DOUBLE * 8)
         self.partials: Any = None
+        self._beta_mirror: PinnedBuffer | None = None
+        self.beta_host: np.ndarray = np.zeros(0, dtype=self.dtype)
 
     # -- addresses -----------------------------------------------------------------
     @property
@@ -67,6 +69,11 @@ class Workspace:
     def status_ptr(self) -> int:
         return self.status.ptr
 
+    @property
+    def beta_host_ptr(self) -> int:
+        assert self._beta_mirror is not None
+        return self._beta_mirror.ptr
+
     # -- sizing --------------------------------------------------------------------
     def ensure_params(self, p: int) -> bool:
         """Allocate the p-sized buffers; True when they were (re)allocated (state zeroed)."""
@@ -78,6 +85,13 @@ class Workspace:
         self.ldm = _round_up(p + 1, self._align)
         self.ldp = _round_up(p, 2)
         self.beta = cp.zeros(p, dtype=dt)  # committed state
+        # Host-mapped copy of β, written by every commit (device pointer = host
+        # pointer under unified addressing, like the status block's).
+        if self._beta_mirror is not None:
+            self._beta_mirror.free()
+        self._beta_mirror = PinnedBuffer(cp, p * self.item, mapped=True)
+        self.beta_host = self._beta_mirror.view(dt, p)
+        self.beta_host[...] = 0
         self.J = cp.zeros((p, p), dtype=dt)
         self.beta_work = cp.zeros(p, dtype=dt)
         self.C = cp.zeros(p * (p + 1), dtype=dt)
@@ -106,3 +120,5 @@ class Workspace:
     def close(self) -> None:
         self.status.free()
         self.header.free()
+        if self._beta_mirror is not None:
+            self._beta_mirror.free()

@@ -230,6 +230,33 @@ def test_host_device_graph_and_prefetch_paths_give_identical_bits(penalty):
         assert other.equals(states[0])
 
 
+@pytest.mark.parametrize("penalty", ["none", "l1"])
+def test_lock_keeping_driver_calls_and_the_beta_mirror_change_no_bit(penalty, monkeypatch):
+    from gpu_engine import driver
+
+    batches = _stream(30, [6000, 6000, 2500], "float32", seed=4)
+    rng = np.random.default_rng(4)
+    weights = [rng.uniform(0.5, 2.0, len(y)).astype("float32") for _, y in batches]
+    config = HuberConfig(penalty=penalty, dtype="float32")
+    states = []
+    for hold, spin in ((True, 0.0), (True, 1e-3), (False, 0.0)):
+        monkeypatch.setattr(driver, "HOLD_GIL", hold)
+        monkeypatch.setattr(driver, "SYNC_SPIN_SECONDS", spin)
+        engine = GpuEngine(config)
+        assert engine._calls.holds_gil is hold
+        for i, ((X, y), w) in enumerate(zip(batches, weights, strict=True)):
+            engine.partial_fit(X, y, w if i == 1 else None)
+            # β as the host reads it (the commit's mapped copy) is the state's β.
+            assert engine.coefficients().tobytes() == engine.export_state().coefficients.tobytes()
+        states.append(engine.export_state())
+        # After an import the mirror holds the imported β until the next commit.
+        engine.import_state(states[0].astype("float32"))
+        assert engine.coefficients().tobytes() == states[0].coefficients.tobytes()
+        engine.close()
+    for other in states[1:]:
+        assert other.equals(states[0])
+
+
 def test_repeated_runs_are_bit_identical():
     batches = _stream(40, [20000, 20000], "float32", seed=9)
     config = HuberConfig(dtype="float32", penalty="l1")

@@ -72,6 +72,23 @@ __device__ void mirror_status(const double* ctl, double* status) {
   __threadfence_system();
 }
 
+// An accepted step (thread 0, after the iteration count was advanced): its
+// size and β's norm for the diagnostics, then the contract's convergence test.
+__device__ __forceinline__ void record_step(double* ctl, int* ci, double step, double nn) {
+  ctl[RH_S_STEP] = step;
+  ctl[RH_S_NORM] = nn;
+  const int conv = step <= ctl[RH_P_TOL] * (1.0 + nn) ? 1 : 0;
+  ci[RH_I_CONV] = conv;
+  if (conv || ci[RH_I_ITER] >= (int)ctl[RH_P_MAX_ITER]) ci[RH_I_DONE] = 1;
+}
+
+// No step could be accepted: the solve ends unconverged (thread 0).
+__device__ __forceinline__ void record_stall(int* ci) {
+  ci[RH_I_ACCEPT] = 0;
+  ci[RH_I_CONV] = 0;
+  ci[RH_I_DONE] = 1;
+}
+
 // Last-block election: every block calls it after writing its partials.
 __device__ bool arrive_last(unsigned int* ticket) {
   __shared__ unsigned int s_last;
@@ -627,9 +644,7 @@ rh_newton_search(const T* __restrict__ Z, long long ldz, long long n, long long 
       }
       ci[RH_I_ITER] += 1;
       if (accepted < 0) {
-        ci[RH_I_ACCEPT] = 0;
-        ci[RH_I_CONV] = 0;
-        ci[RH_I_DONE] = 1;
+        record_stall(ci);
       } else {
         ci[RH_I_ACCEPT] = 1;
         s_t = ldexp(1.0, -accepted);
@@ -651,14 +666,7 @@ rh_newton_search(const T* __restrict__ Z, long long ldz, long long n, long long 
       q[1] += (double)nb * (double)nb;
     }
     block_sum<2>(q, red2);
-    if (threadIdx.x == 0) {
-      const double step = sqrt(q[0]), nn = sqrt(q[1]);
-      ctl[RH_S_STEP] = step;
-      ctl[RH_S_NORM] = nn;
-      const int conv = step <= ctl[RH_P_TOL] * (1.0 + nn) ? 1 : 0;
-      ci[RH_I_CONV] = conv;
-      if (conv || ci[RH_I_ITER] >= (int)ctl[RH_P_MAX_ITER]) ci[RH_I_DONE] = 1;
-    }
+    if (threadIdx.x == 0) record_step(ctl, ci, sqrt(q[0]), sqrt(q[1]));
   }
   mirror_status(ctl, status);
 }
@@ -686,9 +694,10 @@ template <typename T>
 __global__ void __launch_bounds__(RH_SMALL_THREADS)
 rh_commit_finish(const T* __restrict__ C, T* __restrict__ J, const T* __restrict__ beta_w,
                  const T* beta0, long long p, double* __restrict__ ctl, T* beta_out,
-                 double* status) {
+                 double* status, T* __restrict__ beta_host) {
   // beta0 and beta_out are the same buffer (the committed β): it is read
-  // before the barrier in block_sum and written after it.
+  // before the barrier in block_sum and written after it. beta_host is a
+  // host-mapped copy, read by the host after it synchronises (no D2H copy).
   // Queued after every iteration: commits once, when the solve is done.
   int* ci = ctl_ints(ctl);
   if (ci[RH_I_DONE] == 0 || ci[RH_I_COMMITTED] != 0) return;
@@ -714,7 +723,10 @@ rh_commit_finish(const T* __restrict__ C, T* __restrict__ J, const T* __restrict
       const int hi = a > b ? a : b, lo = a > b ? b : a;
       J[a + b * q] = J[a + b * q] + C[hi + lo * q];
     }
-  for (long long a = threadIdx.x; a < p; a += blockDim.x) beta_out[a] = beta_w[a];
+  for (long long a = threadIdx.x; a < p; a += blockDim.x) {
+    beta_out[a] = beta_w[a];
+    beta_host[a] = beta_w[a];
+  }
   if (threadIdx.x == 0) {
     double obj = (ctl[RH_S_LOSS] + 0.5 * v[0]) / ctl[RH_P_TOTAL];
     if (has_hist) obj -= ctl[RH_P_HIST] * v[1];
@@ -902,9 +914,7 @@ rh_lamm_trials(const T* __restrict__ Z, long long ldz, long long n, long long p,
       ctl[RH_S_PHI] = phi0 * ldexp(1.0, K);
       if (ci[RH_I_TRIALS] >= 40) {  // the contract's LAMM_MAX_TRIALS
         ci[RH_I_ITER] += 1;
-        ci[RH_I_ACCEPT] = 0;
-        ci[RH_I_CONV] = 0;
-        ci[RH_I_DONE] = 1;
+        record_stall(ci);
       }
     }
   }
@@ -926,17 +936,12 @@ rh_lamm_trials(const T* __restrict__ Z, long long ldz, long long n, long long p,
     }
     block_sum<1>(q, red2);
     if (threadIdx.x == 0) {
-      const double step = sqrt(v[K + ks]), nn = sqrt(q[0]);
-      ctl[RH_S_STEP] = step;
-      ctl[RH_S_NORM] = nn;
       const double half = phik / 2.0;
       ctl[RH_S_PHI] = half > 1e-8 ? half : 1e-8;  // the contract's LAMM_MIN_PHI
       ci[RH_I_TRIALS] = 0;
       ci[RH_I_ITER] += 1;
       ci[RH_I_ACCEPT] = 1;
-      const int conv = step <= ctl[RH_P_TOL] * (1.0 + nn) ? 1 : 0;
-      ci[RH_I_CONV] = conv;
-      if (conv || ci[RH_I_ITER] >= (int)ctl[RH_P_MAX_ITER]) ci[RH_I_DONE] = 1;
+      record_step(ctl, ci, sqrt(v[K + ks]), sqrt(q[0]));
     }
   }
   mirror_status(ctl, status);

@@ -1,0 +1,240 @@
+"""The engine's per-batch CUDA calls, made without giving up the interpreter lock.
+
+CuPy releases the GIL around every CUDA call that may block: kernel and graph
+launches, asynchronous copies, stream waits. Each release is cheap on its
+own, but a thread that gave the lock away must queue to get it back, and in a
+Dask worker other threads are always waiting for it. A native profile of the
+distributed fit on an H200 (``benchmarks/native_profile.py``, 65,536-row
+chunks) had 66% of the engine thread's samples waiting for the lock after a
+CUDA call had already returned.
+
+The calls bound here only *queue* work and return within microseconds, so
+:class:`DriverCalls` makes them through the CUDA driver library loaded with
+:class:`ctypes.PyDLL`, which keeps the lock for the duration of the call.
+Synchronisations still release it: they wait for the device, and other
+threads should run meanwhile. Host-to-device copies through here must come
+from page-locked memory (from pageable memory the driver copies
+synchronously, which would hold the lock for the whole copy).
+
+:data:`HOLD_GIL` switches back to CuPy's bindings (benchmarks compare both).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import sys
+import threading
+import time
+from types import ModuleType
+from typing import Any
+
+#: Make the queueing calls through ``PyDLL`` (keeping the interpreter lock).
+#: Read when an engine is created.
+HOLD_GIL = True
+#: Before a synchronisation releases the lock, poll the stream for up to this
+#: long while keeping it (0: release at once). Read when an engine is created.
+SYNC_SPIN_SECONDS = 0.0
+
+_CUDA_SUCCESS = 0
+_CUDA_ERROR_INVALID_CONTEXT = 201
+_CUDA_ERROR_NOT_READY = 600
+_LIBRARY_NAMES = ("nvcuda.dll",) if sys.platform == "win32" else ("libcuda.so.1", "libcuda.so")
+
+_LOCK = threading.Lock()
+_LIBRARY: Any = None
+_LOAD_ERROR: str | None = None
+
+
+def _driver_library() -> Any:
+    """The CUDA driver library as a ``PyDLL`` with typed entry points, or None."""
+    global _LIBRARY, _LOAD_ERROR
+    with _LOCK:
+        if _LIBRARY is not None or _LOAD_ERROR is not None:
+            return _LIBRARY
+        errors = []
+        for name in _LIBRARY_NAMES:
+            try:
+                lib = ctypes.PyDLL(name)
+                break
+            except OSError as exc:
+                errors.append(str(exc))
+        else:
+            _LOAD_ERROR = "; ".join(errors)
+            return None
+        vp, u, ull, sz = ctypes.c_void_p, ctypes.c_uint, ctypes.c_ulonglong, ctypes.c_size_t
+        signatures = {
+            "cuLaunchKernel": [vp, u, u, u, u, u, u, u, vp, vp, vp],
+            "cuGraphLaunch": [vp, vp],
+            "cuMemcpyHtoDAsync_v2": [ull, vp, sz, vp],
+            "cuStreamWaitEvent": [vp, vp, u],
+            "cuEventQuery": [vp],
+            "cuStreamQuery": [vp],
+        }
+        try:
+            for fname, argtypes in signatures.items():
+                fn = getattr(lib, fname)
+                fn.argtypes = argtypes
+                fn.restype = ctypes.c_int
+        except AttributeError as exc:  # a driver too old for one of them
+            _LOAD_ERROR = str(exc)
+            return None
+        _LIBRARY = lib
+        return lib
+
+
+class DriverCalls:
+    """The engine's queueing CUDA calls, bound once per engine.
+
+    With :data:`HOLD_GIL` (and a loadable driver library) they go through
+    ``PyDLL`` and keep the interpreter lock; otherwise through CuPy's
+    bindings, which release it. Results are identical either way: the same
+    work is queued on the same streams in the same order.
+
+    Parameters
+    ----------
+    cp : module
+        CuPy (for its error type and the fallback bindings).
+    """
+
+    def __init__(self, cp: ModuleType) -> None:
+        self._cp = cp
+        self._lib = _driver_library() if HOLD_GIL else None
+        self.holds_gil = self._lib is not None
+        self._spin = float(SYNC_SPIN_SECONDS) if self._lib is not None else 0.0
+        if self._lib is not None:
+            lib = self._lib
+            self._launch = lib.cuLaunchKernel
+            self._graph_launch = lib.cuGraphLaunch
+            self._htod = lib.cuMemcpyHtoDAsync_v2
+            self._wait = lib.cuStreamWaitEvent
+            self._event_query = lib.cuEventQuery
+            self._stream_query = lib.cuStreamQuery
+        else:
+            self._launch = cp.cuda.driver.launchKernel
+
+    def _call(self, fn: Any, *args: Any) -> int:
+        status = fn(*args)
+        if status == _CUDA_ERROR_INVALID_CONTEXT:
+            # A thread whose runtime calls so far needed no context (CuPy's
+            # ``Device`` only reads the current device): bind the device's
+            # primary context, as the runtime would, and retry.
+            self._cp.cuda.runtime.free(0)
+            status = fn(*args)
+        return status
+
+    def _check(self, status: int) -> None:
+        if status != _CUDA_SUCCESS:
+            raise self._cp.cuda.driver.CUDADriverError(status)
+
+    def launch(
+        self, function: int, grid: int, block: int, shared: int, stream: int, params: int
+    ) -> None:
+        """``cuLaunchKernel`` of a one-dimensional grid with a packed parameter array."""
+        if self._lib is None:
+            self._launch(function, grid, 1, 1, block, 1, 1, shared, stream, params, 0)
+            return
+        self._check(
+            self._call(
+                self._launch, function, grid, 1, 1, block, 1, 1, shared, stream, params, None
+            )
+        )
+
+    def graph_launch(self, graph_exec: int, stream: int) -> None:
+        if self._lib is None:
+            self._cp.cuda.runtime.graphLaunch(graph_exec, stream)
+            return
+        self._check(self._call(self._graph_launch, graph_exec, stream))
+
+    def copy_to_device(self, dst: int, src: int, nbytes: int, stream: int) -> None:
+        """Queue a copy from page-locked host memory ``src`` to device memory ``dst``."""
+        if self._lib is None:
+            rt = self._cp.cuda.runtime
+            rt.memcpyAsync(dst, src, nbytes, rt.memcpyHostToDevice, stream)
+            return
+        self._check(self._call(self._htod, dst, src, nbytes, stream))
+
+    def stream_wait(self, stream: int, event: int) -> None:
+        """Work queued on ``stream`` from now on waits for ``event``."""
+        if self._lib is None:
+            self._cp.cuda.runtime.streamWaitEvent(stream, event)
+            return
+        self._check(self._call(self._wait, stream, event, 0))
+
+    def event_done(self, event: int) -> bool:
+        """Whether the work an event records has completed (never blocks)."""
+        if self._lib is None:
+            status = int(self._cp.cuda.runtime.eventQuery(event))
+        else:
+            status = self._call(self._event_query, event)
+        if status == _CUDA_ERROR_NOT_READY:
+            return False
+        self._check(status)
+        return True
+
+    def synchronize(self, stream: Any) -> None:
+        """Block until everything queued on a ``cupy.cuda.Stream`` has run."""
+        if self._spin > 0.0:
+            deadline = time.perf_counter() + self._spin
+            while True:
+                status = self._call(self._stream_query, stream.ptr)
+                if status != _CUDA_ERROR_NOT_READY:
+                    self._check(status)
+                    return
+                if time.perf_counter() > deadline:
+                    break
+        stream.synchronize()
+
+    def event_wait(self, event: Any) -> None:
+        """Block until a ``cupy.cuda.Event`` completes; no lock hand-over if it already has."""
+        if not self.event_done(event.ptr):
+            event.synchronize()
+
+
+class CapturedGraph:
+    """A CUDA graph captured from a stream, launched through :class:`DriverCalls`.
+
+    ``cupy.cuda.Graph`` keeps its executable handle private, so the engine
+    captures and instantiates through CuPy's runtime bindings itself and owns
+    the handles.
+
+    Parameters
+    ----------
+    cp : module
+        CuPy.
+    calls : DriverCalls
+        Launches the graph.
+    stream : cupy.cuda.Stream
+        The stream to capture from (not the legacy default stream).
+    body : callable
+        Queues the work to capture on ``stream``.
+    """
+
+    def __init__(self, cp: ModuleType, calls: DriverCalls, stream: Any, body: Any) -> None:
+        rt = cp.cuda.runtime
+        self._rt = rt
+        self._calls = calls
+        self._graph = self._exec = 0
+        # Relaxed, as CuPy's own capture: nothing in the bodies is an unsafe call.
+        rt.streamBeginCapture(stream.ptr, rt.streamCaptureModeRelaxed)
+        try:
+            body()
+        finally:
+            self._graph = rt.streamEndCapture(stream.ptr)
+        self._exec = rt.graphInstantiate(self._graph)
+
+    def launch(self, stream: int) -> None:
+        self._calls.graph_launch(self._exec, stream)
+
+    def close(self) -> None:
+        if self._exec:
+            self._rt.graphExecDestroy(self._exec)
+            self._exec = 0
+        if self._graph:
+            self._rt.graphDestroy(self._graph)
+            self._graph = 0
+
+    def __del__(self) -> None:  # pragma: no cover - interpreter shutdown order varies
+        try:
+            self.close()
+        except Exception:
+            pass
