@@ -349,8 +349,13 @@ def stop_cluster(cluster: Any, client: Any, extra: list[Any]) -> None:
 
 
 def _set_constant(module: str, name: str, value: Any) -> Any:
-    """Set ``rh_dask.distributed.<module>.<name>`` in this process; return the old value."""
-    target = importlib.import_module(f"rh_dask.distributed.{module}")
+    """Set ``<module>.<name>`` in this process; return the old value.
+
+    ``module`` is a module of ``rh_dask.distributed``, or a dotted path of the
+    GPU engine's (``gpu_engine.driver``).
+    """
+    path = module if module.startswith("gpu_engine") else f"rh_dask.distributed.{module}"
+    target = importlib.import_module(path)
     old = getattr(target, name)
     setattr(target, name, value)
     return old
@@ -361,9 +366,14 @@ def coordinator_settings(variant: str, client: Any = None) -> Iterator[None]:
     """Set module constants for one run.
 
     ``NAME=value`` sets a constant of the coordinator (read in this process);
-    ``module.NAME=value`` one of ``rh_dask.distributed.<module>`` here and on
-    every worker (read where the engine runs, e.g. ``consumer.STREAM_BLAS_THREADS``).
+    ``module.NAME=value`` one of ``rh_dask.distributed.<module>`` (or of
+    ``gpu_engine.<module>``, spelt out) here and on every worker (read where
+    the engine runs, e.g. ``consumer.STREAM_BLAS_THREADS``). Parked engines are
+    closed on the way in and out, so that constants read when an engine is
+    created (``gpu_engine.driver.HOLD_GIL``) apply to this run only.
     """
+    from rh_dask.distributed import release_engines
+
     saved: list[tuple[str, str, Any, bool]] = []
     try:
         for setting in [v for v in variant.split(",") if v]:
@@ -375,12 +385,16 @@ def coordinator_settings(variant: str, client: Any = None) -> Iterator[None]:
             saved.append((module, name, _set_constant(module, name, value), remote))
             if remote:
                 client.run(_set_constant, module, name, value)
+        if any(remote for *_, remote in saved):
+            release_engines(client)
         yield
     finally:
         for module, name, value, remote in reversed(saved):
             _set_constant(module, name, value)
             if remote:
                 client.run(_set_constant, module, name, value)
+        if any(remote for *_, remote in saved):
+            release_engines(client)
 
 
 # -- the methods ------------------------------------------------------------------------------
@@ -587,7 +601,8 @@ def main(argv: list[str] | None = None) -> int:
         "rh_dask.distributed.coordinator, e.g. 'FEEDER_THREADS=4;HEAP_FOR_CHUNKS=false' "
         "(';' between runs, ',' between settings of one run; 'lookahead=16' sets the "
         "estimator's look-ahead; 'module.NAME=value' sets a constant of "
-        "rh_dask.distributed.<module> on every worker too)",
+        "rh_dask.distributed.<module> on every worker too, 'gpu_engine.driver.NAME=value' "
+        "one of the GPU engine's)",
     )
     p.add_argument("--repeats", type=int, default=3, help="runs per method (median kept)")
     p.add_argument(

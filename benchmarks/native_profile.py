@@ -16,6 +16,10 @@ the engine thread's samples into:
 It writes the counts, the Python call sites of the lock waits and the
 command's settings as JSON (the raw py-spy output is large and stays out).
 
+With ``--gil`` it records instead only the thread holding the interpreter
+lock at each sample (``py-spy record --gil``), and reports which threads of
+the worker hold it, for what share of the samples, and where.
+
     python benchmarks/native_profile.py --rows 20000000 --chunk-rows 65536 \\
         --source mmap --output benchmarks/results/native_profile-h200-mmap.json
     # or only sort an existing ``py-spy record --format raw`` file
@@ -77,6 +81,36 @@ def classify(raw: Path, thread: str = ENGINE_THREAD, top: int = 16) -> dict[str,
     }
 
 
+def classify_gil(raw: Path, top: int = 6) -> dict[str, Any]:
+    """Who holds the interpreter lock: samples per thread and each thread's top sites."""
+    threads: collections.Counter[str] = collections.Counter()
+    sites: dict[str, collections.Counter[str]] = collections.defaultdict(collections.Counter)
+    for line in raw.read_text().splitlines():
+        stack, _, count = line.rpartition(" ")
+        if not stack:
+            continue
+        n = int(count)
+        parts = stack.split(";")
+        # The thread's frame comes first, after the process's when py-spy adds one.
+        at = next((i for i, f in enumerate(parts[:2]) if f.startswith("thread")), 0)
+        head, frames = parts[at], parts[at + 1 :]
+        name = head.split(": ", 1)[-1] if ": " in head else head
+        threads[name] += n
+        sites[name][";".join(frames[-2:]) or "?"] += n
+    total = sum(threads.values())
+    return {
+        "samples": total,
+        "threads": [
+            {
+                "thread": name,
+                "share": count / total,
+                "top_sites": [[site, c / count] for site, c in sites[name].most_common(top)],
+            }
+            for name, count in threads.most_common()
+        ],
+    }
+
+
 def record(args: Any, raw: Path) -> dict[str, Any]:
     """Fit on a fresh cluster and record the engine's worker meanwhile."""
     from distributed_fit import SOURCE, dask_inputs, start_cluster, stop_cluster, write_dataset
@@ -99,7 +133,8 @@ def record(args: Any, raw: Path) -> dict[str, Any]:
         RenewableHuberRegressor(**params).fit(X, y)  # warm: the engine is parked
         command = [
             spy, "record", "--pid", str(pid), "--rate", str(args.rate), "--threads",
-            "--native", "--format", "raw", "-o", str(raw), "--duration", str(args.seconds),
+            "--gil" if args.gil else "--native", "--format", "raw", "-o", str(raw),
+            "--duration", str(args.seconds),
         ]  # fmt: skip
         spy_run = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
         time.sleep(1.0)
@@ -131,6 +166,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seconds", type=int, default=5, help="how long py-spy records")
     p.add_argument("--data-dir", default="/tmp/rhbench")
     p.add_argument("--raw-input", default=None, help="only sort this py-spy raw file")
+    p.add_argument("--raw-output", default=None, help="keep the py-spy raw file here")
+    p.add_argument(
+        "--gil", action="store_true", help="sample only the thread holding the interpreter lock"
+    )
     p.add_argument("--output", default="benchmarks/results/native_profile.json")
     args = p.parse_args(argv)
     payload: dict[str, Any] = {"schema": SCHEMA, "arguments": vars(args)}
@@ -138,8 +177,17 @@ def main(argv: list[str] | None = None) -> int:
         raw = Path(args.raw_input)
     else:
         payload["environment"] = environment()
-        raw = Path(tempfile.mkdtemp()) / "native.txt"
+        raw = Path(args.raw_output or Path(tempfile.mkdtemp()) / "native.txt")
         payload["recording"] = record(args, raw)
+    if args.gil:
+        payload["gil_holders"] = classify_gil(raw)
+        if not args.raw_input:  # samples nobody held the lock for are not recorded
+            possible = args.rate * args.seconds
+            payload["gil_holders"]["held_fraction"] = payload["gil_holders"]["samples"] / possible
+        write_json(args.output, payload)
+        for entry in payload["gil_holders"]["threads"][:12]:
+            print(f"{entry['share']:6.1%}  {entry['thread']}  {entry['top_sites'][:2]}")
+        return 0
     payload["engine_thread"] = classify(raw)
     write_json(args.output, payload)
     for kind, share in payload["engine_thread"]["fractions"].items():
