@@ -399,3 +399,42 @@ def test_actor_pins_small_chunks_and_mapped_chunks_of_any_size(tmp_path, pin_map
         np.testing.assert_array_equal(out[2].X, big_mapped.X)
     finally:
         actor.close()
+
+
+def test_compute_keys_runs_each_task_once_after_its_dependencies():
+    from dask._task_spec import Task, TaskRef
+
+    from rh_dask.distributed.local import compute_keys
+
+    calls = []
+
+    def f(name, *args):
+        calls.append(name)
+        return (name, *args)
+
+    # a diamond (b and c share a) plus a legacy tuple task, two keys requested
+    # (names are upper case: a legacy task reads any string equal to a key as that key)
+    legacy = {
+        "a": (f, "A"),
+        "b": (f, "B", "a"),
+        "c": (f, "C", "a"),
+        "d": (f, "D", "b", "c"),
+    }
+    values = compute_keys(legacy, ["d", "b"])
+    assert values[0] == ("D", ("B", ("A",)), ("C", ("A",)))
+    assert values[1] == ("B", ("A",))
+    assert sorted(calls) == ["A", "B", "C", "D"]
+    assert calls.index("A") < min(calls.index("B"), calls.index("C")) < calls.index("D")
+    # new-style tasks give the same values, and the same as Dask's own scheduler
+    calls.clear()
+    tasks = {
+        "a": Task("a", f, "A"),
+        "b": Task("b", f, "B", TaskRef("a")),
+        "c": Task("c", f, "C", TaskRef("a")),
+        "d": Task("d", f, "D", TaskRef("b"), TaskRef("c")),
+    }
+    assert compute_keys(tasks, ["d", "b"]) == values
+    assert len(calls) == 4
+    import dask
+
+    assert list(dask.get(legacy, ["d", "b"])) == values

@@ -2,8 +2,8 @@
 
 With ``loader="actor"`` the coordinator sends the stream's chunk plan
 (:class:`~.chunks.ChunkGraph`) to the engine actor once. A :class:`ChunkFeeder`
-thread on that worker then computes chunk graphs on a few local threads (Dask's
-synchronous scheduler per chunk) and drops each loaded batch into the
+thread on that worker then computes chunk graphs on a few local threads
+(:func:`~.local.compute_keys` per chunk) and drops each loaded batch into the
 consumer's inbox, keeping at most ``lookahead`` chunks ahead of the engine.
 
 Why: each Dask task costs the worker's event loop about a millisecond of
