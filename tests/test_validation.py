@@ -337,3 +337,23 @@ def test_missing_names_after_a_named_stream_warn_but_fit(frame_stream, stream):
         model.partial_fit(stream.X[120:200], stream.y[120:200])
     assert any("does not have valid feature names" in str(c.message) for c in caught)
     assert model.state_.batch_count == 2
+
+
+def test_memory_mapped_chunks_pass_as_views_and_are_still_checked(tmp_path):
+    X = np.arange(60, dtype=np.float32).reshape(20, 3)
+    np.save(tmp_path / "X.npy", X)
+    mapped = np.load(tmp_path / "X.npy", mmap_mode="r")
+    y = np.ones(8, dtype=np.float32)
+    batch = validate_batch(mapped[4:12], y, dtype="float32")
+    # a plain ndarray viewing the file's pages, as check_array would give: no copy
+    assert type(batch.X) is np.ndarray
+    assert np.shares_memory(batch.X, mapped)
+    np.testing.assert_array_equal(batch.X, X[4:12])
+    bad = X.copy()
+    bad[5, 1] = np.nan
+    np.save(tmp_path / "bad.npy", bad)
+    with pytest.raises(ValidationError, match="NaN"):
+        validate_batch(np.load(tmp_path / "bad.npy", mmap_mode="r")[4:12], y, dtype="float32")
+    # cast when the file's dtype is not the stream's
+    batch = validate_batch(mapped[4:12], y, dtype="float64")
+    assert batch.X.dtype == np.float64 and not np.shares_memory(batch.X, mapped)
