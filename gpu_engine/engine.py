@@ -475,6 +475,7 @@ class GpuEngine:
             schedule = None if w is not None else batch_schedule(cfg, counters, float(n))
             self._write_header(schedule, p)
             calls.copy_to_device(ws.ctl_ptr, ws.header.ptr, layout.CTL_BYTES, stream.ptr)
+            # Packed for this batch only: X's address changes from batch to batch.
             Launch(
                 calls,
                 self._kernels.rh_build,
@@ -871,6 +872,8 @@ class GpuEngine:
     def _beta_on_host(self) -> np.ndarray:
         self._require_state()
         if self._host_beta is None:
+            if self._closed:  # the mirror's pinned memory is freed
+                raise RuntimeError("the GPU engine is closed")
             # The commit kernel mirrors β into host-mapped memory and the host
             # has synchronised since: reading it needs no CUDA call (the
             # distributed walk reads β after every batch).
