@@ -33,8 +33,8 @@ def compute_keys(dsk: dict[Key, Any], keys: list[Key]) -> list[Any]:
     Each task runs once, after its dependencies, and an intermediate value
     is dropped once its last user has run. Dask's synchronous scheduler
     would do the same but first orders the graph (``dask.order``), which on
-    an H200 worker took most of a loading thread's time holding the
-    interpreter lock at 65,536-row chunks (``benchmarks/native_profile.py
+    an H200 worker was up to two thirds of a loading thread's samples holding
+    the interpreter lock at 65,536-row chunks (``benchmarks/native_profile.py
     --gil``), for graphs of a handful of tasks that any order computes alike.
     """
     if not all(isinstance(node, GraphNode) for node in dsk.values()):
