@@ -89,6 +89,19 @@ __device__ __forceinline__ void record_stall(int* ci) {
   ci[RH_I_DONE] = 1;
 }
 
+// A vector spread over a warp's registers (element i in lane i % 32, register
+// i / 32): this lane's register of element k's row (selected with unrolled
+// compares, so that vr stays in registers rather than local memory).
+template <typename T>
+__device__ __forceinline__ T lane_register(const T (&vr)[RH_SOLVE_ROWS], int k) {
+  const int mk = k >> 5;
+  T mine = T(0);
+#pragma unroll
+  for (int m = 0; m < RH_SOLVE_ROWS; ++m)
+    if (m == mk) mine = vr[m];
+  return mine;
+}
+
 // Last-block election: every block calls it after writing its partials.
 __device__ bool arrive_last(unsigned int* ticket) {
   __shared__ unsigned int s_last;
@@ -509,12 +522,7 @@ rh_newton_solve(const T* __restrict__ C, const T* __restrict__ J,
       vr[m] = i < q ? vec[i] : T(0);
     }
     for (int k = 0; k < q; ++k) {
-      const int mk = k >> 5;
-      T mine = T(0);
-#pragma unroll
-      for (int m = 0; m < RH_SOLVE_ROWS; ++m)
-        if (m == mk) mine = vr[m];
-      const T yk = __shfl_sync(FULL_MASK, mine / lcol[k], k & 31);
+      const T yk = __shfl_sync(FULL_MASK, lane_register(vr, k) / lcol[k], k & 31);
 #pragma unroll
       for (int m = 0; m < RH_SOLVE_ROWS; ++m) {
         const int i = lane + 32 * m;
@@ -523,12 +531,7 @@ rh_newton_solve(const T* __restrict__ C, const T* __restrict__ J,
       }
     }
     for (int k = q - 1; k >= 0; --k) {
-      const int mk = k >> 5;
-      T mine = T(0);
-#pragma unroll
-      for (int m = 0; m < RH_SOLVE_ROWS; ++m)
-        if (m == mk) mine = vr[m];
-      const T xk = __shfl_sync(FULL_MASK, mine / lcol[k], k & 31);
+      const T xk = __shfl_sync(FULL_MASK, lane_register(vr, k) / lcol[k], k & 31);
 #pragma unroll
       for (int m = 0; m < RH_SOLVE_ROWS; ++m) {
         const int i = lane + 32 * m;
