@@ -474,6 +474,23 @@ def run_incremental(args, directory, chunk_rows, rows, client) -> dict[str, Any]
     }
 
 
+def engine_result(engine: Any, wall: float, rows: int, mem: dict, **extra: Any) -> dict[str, Any]:
+    """A method's record for a loop that fitted one engine in this process.
+
+    ``_coef`` and ``_information`` are compared with the other methods' and
+    left out of the JSON.
+    """
+    return {
+        "wall_seconds": wall,
+        "rows": rows,
+        "rows_per_second": rows / wall,
+        **extra,
+        **mem,
+        "_coef": engine.coefficients(),
+        "_information": engine.export_state().information,
+    }
+
+
 def run_client_loop(args, directory, chunk_rows, rows, client, config) -> dict[str, Any]:
     import dask
 
@@ -490,14 +507,7 @@ def run_client_loop(args, directory, chunk_rows, rows, client, config) -> dict[s
                 engine.partial_fit(xb, yb)
 
     wall, _, mem = measure(loop)
-    return {
-        "wall_seconds": wall,
-        "rows": rows,
-        "rows_per_second": rows / wall,
-        **mem,
-        "_coef": engine.coefficients(),
-        "_information": engine.export_state().information,
-    }
+    return engine_result(engine, wall, rows, mem)
 
 
 def run_load_floor(directory, chunk_rows, rows, dtype, validate: bool) -> dict[str, Any]:
@@ -552,15 +562,8 @@ def run_engine_floor(args, directory, chunk_rows, rows, config, pinned=False) ->
                     engine.partial_fit(xb, yb)
 
     wall, _, mem = measure(loop)
-    return {
-        "wall_seconds": wall,
-        "rows": rows,
-        "rows_per_second": rows / wall,
-        "path": "partial_fit_stream" if stream is not None else "partial_fit",
-        **mem,
-        "_coef": engine.coefficients(),
-        "_information": engine.export_state().information,
-    }
+    path = "partial_fit_stream" if stream is not None else "partial_fit"
+    return engine_result(engine, wall, rows, mem, path=path)
 
 
 # -- main ------------------------------------------------------------------------------------
