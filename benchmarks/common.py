@@ -134,6 +134,22 @@ def fingerprint(*arrays: np.ndarray) -> str:
     return h.hexdigest()
 
 
+def fit_chunks(engine: Any, chunks: Iterable[tuple[Any, ...]]) -> str:
+    """Fit every chunk in order, as the engine streams best; returns the path taken.
+
+    ``partial_fit_stream`` where the engine has it (the GPU engine overlaps
+    each copy with the previous solve), else one ``partial_fit`` per chunk.
+    """
+    stream = getattr(engine, "partial_fit_stream", None)
+    if stream is not None:
+        for _ in stream(chunks):
+            pass
+        return "partial_fit_stream"
+    for chunk in chunks:
+        engine.partial_fit(*chunk)
+    return "partial_fit"
+
+
 def summarize(samples: list[float]) -> dict[str, float]:
     """Median, min, max and spread of repeated timings (seconds)."""
     return {

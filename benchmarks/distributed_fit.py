@@ -56,7 +56,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from common import environment, write_json
+from common import environment, fit_chunks, write_json
 
 from rh_dask import HuberConfig, RenewableHuberRegressor, make_engine
 from rh_dask.datasets import StreamSpec
@@ -549,20 +549,13 @@ def run_engine_floor(args, directory, chunk_rows, rows, config, pinned=False) ->
         chunks = list(pool.map(load, bounds(rows, chunk_rows)))
     engine.partial_fit(*chunks[0])  # warm-up
     engine.reset()
-    stream = getattr(engine, "partial_fit_stream", None)
 
-    def loop() -> None:
+    def loop() -> str:
         # The same BLAS pin as every stream: this is the single-process reference.
         with blas_limiter(STREAM_BLAS_THREADS)():
-            if stream is not None:
-                for _ in stream(chunks):
-                    pass
-            else:
-                for xb, yb in chunks:
-                    engine.partial_fit(xb, yb)
+            return fit_chunks(engine, chunks)
 
-    wall, _, mem = measure(loop)
-    path = "partial_fit_stream" if stream is not None else "partial_fit"
+    wall, path, mem = measure(loop)
     return engine_result(engine, wall, rows, mem, path=path)
 
 

@@ -22,7 +22,7 @@ import threading
 import time
 from typing import Any
 
-from common import environment, write_json
+from common import environment, fit_chunks, write_json
 
 SCHEMA = "rh-dask/bench/engine-in-worker/1"
 
@@ -62,14 +62,8 @@ def time_engine(
         engine = make_engine(engine_name, HuberConfig(dtype=dtype))
         engine.partial_fit(*chunks[0])  # warm-up
         engine.reset()
-        stream = getattr(engine, "partial_fit_stream", None)
         start = time.perf_counter()
-        if stream is not None:
-            for _ in stream(chunks):
-                pass
-        else:
-            for X, y in chunks:
-                engine.partial_fit(X, y)
+        fit_chunks(engine, chunks)
         out["seconds"] = time.perf_counter() - start
         out["coef0"] = float(engine.coefficients()[0])
 
