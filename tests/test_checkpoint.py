@@ -9,6 +9,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 import pytest
+from devices import gpu_usable
 
 from rh_dask import (
     CheckpointError,
@@ -160,16 +161,7 @@ def test_gpu_checkpoint_continues_on_the_numpy_engine(gpu_saved, stream):
     assert model.state_.equals(engine.export_state())
 
 
-def _gpu_engine_usable() -> bool:
-    try:
-        import cupy
-
-        return cupy.cuda.runtime.getDeviceCount() > 0
-    except Exception:
-        return False
-
-
-@pytest.mark.skipif(_gpu_engine_usable(), reason="a CUDA GPU is usable here")
+@pytest.mark.skipif(gpu_usable(), reason="a CUDA GPU is usable here")
 def test_gpu_checkpoint_predicts_on_host_but_does_not_continue_without_gpu(
     gpu_saved, stream, snapshot, assert_unchanged
 ):

@@ -10,6 +10,7 @@ import re
 
 import numpy as np
 import pytest
+from devices import gpu_usable
 
 import gpu_engine
 from gpu_engine import layout
@@ -19,17 +20,8 @@ from rh_dask.engines import make_engine
 from rh_dask.exceptions import EngineUnavailableError
 
 
-def _gpu_present() -> bool:
-    try:
-        import cupy
-
-        return cupy.cuda.runtime.getDeviceCount() > 0
-    except Exception:
-        return False
-
-
 def test_engine_refuses_to_start_without_cupy_or_gpu():
-    if _gpu_present():
+    if gpu_usable():
         pytest.skip("a CUDA GPU is present: the refusal path cannot be exercised here")
     with pytest.raises(EngineUnavailableError, match=r"CuPy|GPU|CUDA"):
         gpu_engine.GpuEngine(HuberConfig())

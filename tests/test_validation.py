@@ -13,6 +13,7 @@ import numpy as np
 import pandas as pd
 import pytest
 import scipy.sparse
+from devices import gpu_usable
 
 from rh_dask import (
     EngineUnavailableError,
@@ -284,16 +285,7 @@ def test_bad_constructor_parameter(name, value, stream):
     assert not hasattr(model, "n_features_in_")
 
 
-def _gpu_engine_usable() -> bool:
-    try:
-        import cupy
-
-        return cupy.cuda.runtime.getDeviceCount() > 0
-    except Exception:
-        return False
-
-
-@pytest.mark.skipif(_gpu_engine_usable(), reason="a CUDA GPU is usable here")
+@pytest.mark.skipif(gpu_usable(), reason="a CUDA GPU is usable here")
 @pytest.mark.parametrize(
     "params", [{"engine": "gpu"}, {"engine": "auto", "device": "cuda:0"}], ids=["gpu", "cuda"]
 )
