@@ -404,13 +404,28 @@ class HostStager:
         self._pending: tuple[tuple[int, int, int], Any, tuple[Any, ...]] | None = None
 
     # -- staging --------------------------------------------------------------------
-    def stage(self, X: np.ndarray, y: np.ndarray, w: np.ndarray | None) -> StagedBatch:
+    def _in_place(self, arrays: tuple[np.ndarray | None, ...]) -> tuple[bool, ...]:
+        """Which arrays can be DMA'd where they are (contiguous and page-locked)."""
+        return tuple(
+            a is not None and a.flags.c_contiguous and is_pinned(self._cp, a) for a in arrays
+        )
+
+    def stage(
+        self,
+        X: np.ndarray,
+        y: np.ndarray,
+        w: np.ndarray | None,
+        in_place: tuple[bool, ...] | None = None,
+    ) -> StagedBatch:
         """Copy one batch into the next slot's device buffers (asynchronously).
 
         Returns once the host side is done (pinned memory filled, DMA queued on
         the copy stream); the device side completes at ``slot.ready``.
+        ``in_place`` is :meth:`_in_place` of ``(X, y, w)`` when the caller
+        has it already.
         """
         cp = self._cp
+        in_x, in_y, in_w = in_place or self._in_place((X, y, w))
         with self._lock, cp.cuda.Device(self._device_id):
             slot = self._slots[self._next]
             self._next ^= 1
@@ -426,9 +441,7 @@ class HostStager:
             # are copied into the slot before it returns): a caller's pageable
             # batch is never kept alive by the engine.
             slot.sources = tuple(
-                a
-                for a in (X, y, w)
-                if a is not None and a.flags.c_contiguous and is_pinned(self._cp, a)
+                a for a, direct in zip((X, y, w), (in_x, in_y, in_w), strict=True) if direct
             )
             slot.ensure(n, d)
             slot.epoch += 1
@@ -437,15 +450,15 @@ class HostStager:
             assert host is not None
             x_host = host.view(self._dtype, n * d).reshape(n, d)
             offsets = (0, slot.rows * d, slot.rows * (d + 1))
-            self._copy_rows(X, x_host, dev.data.ptr, host.ptr, item * d)
+            self._copy_rows(X, in_x, x_host, dev.data.ptr, host.ptr, item * d)
             y_host = host.view(self._dtype, n, offsets[1] * item)
             self._h2d_small(
-                y, y_host, dev.data.ptr + offsets[1] * item, host.ptr + offsets[1] * item
+                y, in_y, y_host, dev.data.ptr + offsets[1] * item, host.ptr + offsets[1] * item
             )
             if w is not None:
                 w_host = host.view(self._dtype, n, offsets[2] * item)
                 self._h2d_small(
-                    w, w_host, dev.data.ptr + offsets[2] * item, host.ptr + offsets[2] * item
+                    w, in_w, w_host, dev.data.ptr + offsets[2] * item, host.ptr + offsets[2] * item
                 )
             slot.copied.record(self.stream)
             slot.ready.record(self.stream)
@@ -460,22 +473,30 @@ class HostStager:
                 epoch=slot.epoch,
             )
 
-    def _h2d_small(self, src: np.ndarray, pinned: np.ndarray, dst: int, pinned_ptr: int) -> None:
+    def _h2d_small(
+        self, src: np.ndarray, in_place: bool, pinned: np.ndarray, dst: int, pinned_ptr: int
+    ) -> None:
         nbytes = src.size * src.itemsize
-        if src.flags.c_contiguous and is_pinned(self._cp, src):
+        if in_place:
             self._calls.copy_to_device(dst, src.ctypes.data, nbytes, self.stream.ptr)
             return
         np.copyto(pinned, src)
         self._calls.copy_to_device(dst, pinned_ptr, nbytes, self.stream.ptr)
 
     def _copy_rows(
-        self, X: np.ndarray, pinned: np.ndarray, dst: int, pinned_ptr: int, row_bytes: int
+        self,
+        X: np.ndarray,
+        in_place: bool,
+        pinned: np.ndarray,
+        dst: int,
+        pinned_ptr: int,
+        row_bytes: int,
     ) -> None:
         """X → pinned (parallel chunks) → device, each chunk's DMA queued when it is ready."""
         rt, calls = self._cp.cuda.runtime, self._calls
         n = X.shape[0]
         stream_ptr = self.stream.ptr
-        if X.flags.c_contiguous and is_pinned(self._cp, X):
+        if in_place:
             calls.copy_to_device(dst, X.ctypes.data, n * row_bytes, stream_ptr)
             return
         rows = max(1, CHUNK_BYTES // max(row_bytes, 1))
@@ -512,12 +533,12 @@ class HostStager:
         remembered; an earlier one that was never taken is simply dropped
         (its slot is reused later).
         """
-        arrays = (X, y) if w is None else (X, y, w)
+        in_place = self._in_place((X, y, w))
         future: Future[StagedBatch]
-        if all(a.flags.c_contiguous and is_pinned(self._cp, a) for a in arrays):
+        if all(direct for a, direct in zip((X, y, w), in_place, strict=True) if a is not None):
             future = Future()
             try:
-                future.set_result(self.stage(X, y, w))
+                future.set_result(self.stage(X, y, w, in_place))
             except Exception as exc:  # re-raised by take(), as from the thread
                 future.set_exception(exc)
         else:
