@@ -21,7 +21,9 @@ a few hundred bytes of control data per iteration. One batch runs as:
    accepts the first that passes). Rounds are queued several at a time,
    followed by the commit (``rh_commit_eval``, the GEMM, ``rh_commit_finish``);
    kernels of a finished solve, and the commit of an unfinished one, return
-   at once.
+   at once. A batch that ``rh_build`` finds invalid is finished at once and
+   never committed (the commit kernels test its flag), so the host can raise
+   after its first synchronisation with β, J and the β mirror untouched.
 
 The host reads a host-mapped status block after each synchronisation: one
 per Newton iteration, one per queue of LAMM rounds (one more for a weighted

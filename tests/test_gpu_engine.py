@@ -31,7 +31,11 @@ from golden_corpus import load_cases, replay_case  # noqa: E402
 from gpu_engine import GpuEngine  # noqa: E402
 from rh_dask import HuberConfig, NumpyEngine, RenewableHuberRegressor  # noqa: E402
 from rh_dask.datasets import StreamSpec  # noqa: E402
-from rh_dask.exceptions import EngineUnavailableError, ValidationError  # noqa: E402
+from rh_dask.exceptions import (  # noqa: E402
+    EngineUnavailableError,
+    NotFittedError,
+    ValidationError,
+)
 from rh_dask.state import HuberState  # noqa: E402
 
 TOL = {"float64": (1e-8, 2e-9), "float32": (3e-4, 3e-5)}
@@ -327,6 +331,134 @@ def test_bad_device_inputs_raise_clear_errors_and_leave_the_state_alone():
     twin.partial_fit(X, y)
     twin.partial_fit(X, y)
     assert engine.export_state().equals(twin.export_state())
+
+
+def _correlated_batch(n: int, dtype: str, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """Eight features with pairwise correlation 0.64: LAMM needs dozens of rounds from β = 0.
+
+    (The NumPy reference takes 51 LAMM iterations on the first such batch.)
+    """
+    rng = np.random.default_rng(seed)
+    common = rng.standard_normal((n, 1))
+    X = 0.8 * common + 0.6 * rng.standard_normal((n, 8))
+    y = X @ np.linspace(-2.0, 2.0, 8) + 5.0 + rng.standard_t(3, n)
+    return X.astype(dtype), y.astype(dtype)
+
+
+def _refused_batches(X, y):
+    """Batches with one NaN, +inf or -inf (or a negative weight) in X, y or the weights.
+
+    The bad value sits in the first or in the last row; X and y are also
+    spoiled in weighted batches (whose Σw the host reads before the solve).
+    Yields ``(X, y, w, message)``.
+    """
+    n = len(y)
+    weights = np.linspace(0.5, 1.5, n).astype(X.dtype)
+    for row in (0, n - 1):
+        for value in (np.nan, np.inf, -np.inf):
+            bad_x = X.copy()
+            bad_x[row, X.shape[1] // 2] = value
+            bad_y = y.copy()
+            bad_y[row] = value
+            bad_w = weights.copy()
+            bad_w[row] = value
+            yield bad_x, y, None, "finite"
+            yield X, bad_y, None, "finite"
+            yield bad_x, y, weights, "finite"
+            yield X, bad_y, weights, "finite"
+            yield X, y, bad_w, "non-negative"
+        bad_w = weights.copy()
+        bad_w[row] = -1.0
+        yield X, y, bad_w, "non-negative"
+
+
+def _assert_refusals_change_nothing(engine, X, y):
+    """Every refused batch, device and host input, leaves state and β mirror bit-identical."""
+    before = engine.export_state()
+    mirror = engine._ws.beta_host.copy()
+    count = 0
+    for bad_x, bad_y, bad_w, message in _refused_batches(X, y):
+        for to_device in (True, False):
+            args = (bad_x, bad_y, bad_w)
+            if to_device:
+                args = tuple(None if a is None else cp.asarray(a) for a in args)
+            with pytest.raises(ValidationError, match=message):
+                engine.partial_fit(*args)
+            after = engine.export_state()
+            what = f"refusal {count} (device={to_device}, weighted={bad_w is not None})"
+            assert after.equals(before), what
+            assert after.previous_lambda == before.previous_lambda, what
+            assert after.weight_sum == before.weight_sum, what
+            assert engine._ws.beta_host.tobytes() == mirror.tobytes(), what
+            assert engine.coefficients().tobytes() == before.coefficients.tobytes(), what
+            count += 1
+    assert count == 64
+
+
+@pytest.mark.parametrize("graphs", [True, False])
+@pytest.mark.parametrize("dtype", ["float64", "float32"])
+def test_refused_batches_after_a_long_lamm_batch_change_nothing(dtype, graphs):
+    """L1: the LAMM queue after a long batch must not commit a refused batch.
+
+    The queue holds the previous batch's iteration count + 1 rounds of 8
+    trials; on NaN data every trial fails, so a queue of 5 or more rounds
+    reaches the contract's 40-trial stall, which ends the solve: the commit
+    kernels must still leave β, J and the β mirror alone.
+    """
+    config = HuberConfig(penalty="l1", dtype=dtype)
+    X0, y0 = _correlated_batch(3000, dtype, seed=3)
+    X1, y1 = _correlated_batch(2000, dtype, seed=4)
+    engine = GpuEngine(config, graphs=graphs)
+    # Refused as the very first batch, the engine stays unfitted.
+    bad = cp.asarray(y0)
+    bad[-1] = cp.nan
+    with pytest.raises(ValidationError, match="finite"):
+        engine.partial_fit(cp.asarray(X0), bad)
+    with pytest.raises(NotFittedError):
+        engine.export_state()
+    long = engine.partial_fit(cp.asarray(X0), cp.asarray(y0))
+    assert long.converged
+    assert long.iterations >= 20, f"the long batch took only {long.iterations} LAMM iterations"
+    _assert_refusals_change_nothing(engine, X1, y1)
+    follow = engine.partial_fit(cp.asarray(X1), cp.asarray(y1))
+    twin = GpuEngine(config, graphs=graphs)
+    twin.partial_fit(cp.asarray(X0), cp.asarray(y0))
+    twin_follow = twin.partial_fit(cp.asarray(X1), cp.asarray(y1))
+    assert engine.export_state().equals(twin.export_state())
+    assert engine._ws.beta_host.tobytes() == twin._ws.beta_host.tobytes()
+    assert follow == twin_follow
+    assert engine.graph_error is None and engine.graphs is graphs
+    engine.close()
+    twin.close()
+
+
+@pytest.mark.parametrize("graphs", [True, False])
+@pytest.mark.parametrize("cholesky", ["kernel", "cusolver"])
+@pytest.mark.parametrize("dtype", ["float64", "float32"])
+def test_refused_batches_change_nothing_on_the_newton_paths(dtype, cholesky, graphs):
+    """Unpenalised: the step graph's commit must not run for a refused batch.
+
+    With one iteration allowed, the first step on a batch with an infinite y
+    is accepted (its line-search sums are NaN), which ends the solve inside
+    the very step graph whose status carries the validation flags.
+    """
+    X0, y0 = _correlated_batch(3000, dtype, seed=5)
+    X1, y1 = _correlated_batch(2000, dtype, seed=6)
+    for max_iter in (1, 100):
+        config = HuberConfig(dtype=dtype, max_iter=max_iter)
+        engine = GpuEngine(config, graphs=graphs, cholesky=cholesky)
+        engine.partial_fit(cp.asarray(X0), cp.asarray(y0))
+        _assert_refusals_change_nothing(engine, X1, y1)
+        follow = engine.partial_fit(cp.asarray(X1), cp.asarray(y1))
+        twin = GpuEngine(config, graphs=graphs, cholesky=cholesky)
+        twin.partial_fit(cp.asarray(X0), cp.asarray(y0))
+        twin_follow = twin.partial_fit(cp.asarray(X1), cp.asarray(y1))
+        assert engine.export_state().equals(twin.export_state()), max_iter
+        assert engine._ws.beta_host.tobytes() == twin._ws.beta_host.tobytes()
+        assert follow == twin_follow
+        assert engine._small_solve == (cholesky == "kernel")
+        engine.close()
+        twin.close()
 
 
 def test_other_device_is_refused():

@@ -355,6 +355,9 @@ rh_build(const T* __restrict__ X, long long ldx, const T* __restrict__ y,
     if (red[MAX_WARPS * 32 + 0] > 0.0) flags |= 1;
     if (red[MAX_WARPS * 32 + 1] > 0.0) flags |= 2;
     ci[RH_I_INVALID] = flags;
+    // A refused batch stops here: the queued LAMM rounds return at once and
+    // the commit kernels, which also test the flag, never touch β or J.
+    if (flags != 0) ci[RH_I_DONE] = 1;
     ctl[RH_S_WSUM] = red[MAX_WARPS * 32 + 2];
   }
   mirror_status(ctl, status);
@@ -684,8 +687,10 @@ rh_commit_eval(const T* __restrict__ Z, long long ldz, long long n, long long p,
                const T* __restrict__ y, const T* __restrict__ w, const T* __restrict__ beta,
                double* __restrict__ ctl, T* __restrict__ M, long long ldm,
                double* __restrict__ partials, double* status) {
-  // Queued after every LAMM round group: a no-op until the solve is done.
-  if (ctl_ints(ctl)[RH_I_DONE] == 0 || ctl_ints(ctl)[RH_I_COMMITTED] != 0) return;
+  // Queued after every LAMM round group: a no-op until the solve is done,
+  // and for a batch that failed validation.
+  const int* ci = ctl_ints(ctl);
+  if (ci[RH_I_DONE] == 0 || ci[RH_I_COMMITTED] != 0 || ci[RH_I_INVALID] != 0) return;
   if (eval_rows<false>(Z, ldz, n, p, y, w, beta, ctl, (T*)nullptr, M, ldm, partials))
     mirror_status(ctl, status);
 }
@@ -701,9 +706,11 @@ rh_commit_finish(const T* __restrict__ C, T* __restrict__ J, const T* __restrict
   // beta0 and beta_out are the same buffer (the committed β): it is read
   // before the barrier in block_sum and written after it. beta_host is a
   // host-mapped copy, read by the host after it synchronises (no D2H copy).
-  // Queued after every iteration: commits once, when the solve is done.
+  // Queued after every iteration: commits once, when the solve is done, and
+  // never for a batch that failed validation (rh_build set the flag; the host
+  // raises after its first synchronisation, when these kernels have run).
   int* ci = ctl_ints(ctl);
-  if (ci[RH_I_DONE] == 0 || ci[RH_I_COMMITTED] != 0) return;
+  if (ci[RH_I_DONE] == 0 || ci[RH_I_COMMITTED] != 0 || ci[RH_I_INVALID] != 0) return;
   __shared__ double red[MAX_WARPS * 3];
   const bool has_hist = ctl[RH_P_HAS_HIST] != 0.0;
   __shared__ double scratch[RH_SMALL_THREADS];
