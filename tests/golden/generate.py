@@ -12,10 +12,27 @@ Usage::
 
 All data are dyadic rationals (multiples of 2⁻⁸, weights multiples of 1/4),
 so they are exact in float32 and float64 alike and every weight sum is exact
-in any summation order. The check mode compares inputs, counters and
-convergence flags exactly, and floating-point expectations to within
-CHECK_TOLERANCE (a hundredth of the contract's tolerance: the same machine
-reproduces them bit for bit, another BLAS may differ in the last bits).
+in any summation order.
+
+The check mode regenerates every case and compares it with the committed
+file. Inputs (configuration, batches), integer counters, the weight sum and
+the convergence flags must be equal. Floating-point expectations are compared
+as the numerical contract compares an engine with the reference,
+``|new − old| ≤ atol + rtol·|old|`` elementwise with the contract's
+(rtol, atol) for the case's dtype (CHECK_TOLERANCE): a regenerated reference
+passes exactly when it would pass as an engine replaying the committed corpus.
+That is the right bar because another NumPy or BLAS is another rounding of
+the same computation, and conditioning amplifies its rounding: κ has slope
+1/(2h) with a small bandwidth h (0.025 for the 480 rows of ``l1_f32``), so a
+last-bit change of β moves κ of the rows inside the band and so J by ~1e-4
+relative in float32 (``l1_f32`` moved to a quarter of the bound from the
+build that generated it to NumPy 2.4.6 and its OpenBLAS). A real numerical
+change moves expectations far past the bound: 0.1% on ``bandwidth_scale``
+moves J by 4 to 7 times the bound in the float32 cases and by 10⁴ to 10⁶
+times in the float64 ones, 0.01% on τ by 13 to 35 times in float32.
+λ (``previous_lambda``) is a float64 computation with ``math.log``, which is
+not correctly rounded on every C library: it must agree to within
+LAMBDA_ULPS units in the last place.
 """
 
 from __future__ import annotations
@@ -24,7 +41,7 @@ import argparse
 import json
 import sys
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -34,7 +51,10 @@ from rh_dask import HuberConfig, NumpyEngine
 
 SCHEMA_VERSION = 1
 HERE = Path(__file__).resolve().parent
-CHECK_TOLERANCE = {"float64": (1e-10, 2e-11), "float32": (3e-6, 3e-7)}  # (rtol, atol)
+#: (rtol, atol) per dtype: the numerical contract's tolerance against the reference.
+CHECK_TOLERANCE = {"float64": (1e-8, 2e-9), "float32": (3e-4, 3e-5)}
+#: How far λ may move between C libraries, in float64 units in the last place.
+LAMBDA_ULPS = 4
 
 
 # -- the cases ----------------------------------------------------------------------
@@ -200,74 +220,134 @@ def render(case: dict[str, Any]) -> str:
 
 # -- checking ----------------------------------------------------------------------------
 
+_INPUTS = ("batches", "config", "name", "schema", "description")
+_EXACT = {"weight_sum", "n_samples_seen"}
 
-def _compare(path: str, new: Any, old: Any, dtype: str, problems: list[str], notes: list[str]):
-    inputs = path.startswith(("batches", "config", "name", "schema", "description"))
+
+@dataclass
+class Comparison:
+    """What comparing a regenerated case with its committed file found.
+
+    ``problems`` are differences beyond the check's rules; ``notes`` are
+    allowed differences worth saying (iteration counts); ``inexact`` counts
+    floating-point fields that are not bit-identical but within tolerance, and
+    ``worst`` names the one closest to its bound, as (fraction of the bound, path).
+    """
+
+    problems: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    inexact: int = 0
+    worst: tuple[float, str] = (0.0, "")
+
+
+def compare_case(new: dict[str, Any], old: dict[str, Any], dtype: str) -> Comparison:
+    """Compare a regenerated case document with the committed one.
+
+    Parameters
+    ----------
+    new, old : dict
+        Parsed JSON documents (``old`` holds the expectations).
+    dtype : {"float32", "float64"}
+        The case's dtype; selects the tolerance.
+
+    Returns
+    -------
+    Comparison
+        Inputs, counters and flags compared exactly, floating-point
+        expectations within CHECK_TOLERANCE, λ within LAMBDA_ULPS.
+    """
+    result = Comparison()
+    _compare("", new, old, dtype, result)
+    return result
+
+
+def _compare(path: str, new: Any, old: Any, dtype: str, result: Comparison) -> None:
+    inputs = path.startswith(_INPUTS)
     if isinstance(new, dict) and isinstance(old, dict):
         if new.keys() != old.keys():
-            problems.append(f"{path}: keys {sorted(old)} -> {sorted(new)}")
+            result.problems.append(f"{path}: keys {sorted(old)} -> {sorted(new)}")
             return
         for key in new:
-            _compare(f"{path}.{key}" if path else key, new[key], old[key], dtype, problems, notes)
+            _compare(f"{path}.{key}" if path else key, new[key], old[key], dtype, result)
         return
     if isinstance(new, list) and isinstance(old, list):
         if len(new) != len(old):
-            problems.append(f"{path}: length {len(old)} -> {len(new)}")
+            result.problems.append(f"{path}: length {len(old)} -> {len(new)}")
             return
         if new and not isinstance(new[0], (list, dict)) and not inputs:
-            a, b = np.asarray(new, dtype=float), np.asarray(old, dtype=float)
-            _compare_numbers(path, a, b, dtype, problems, notes)
+            _compare_numbers(path, new, old, dtype, result)
             return
         for i, (a, b) in enumerate(zip(new, old, strict=True)):
-            _compare(f"{path}[{i}]", a, b, dtype, problems, notes)
+            _compare(f"{path}[{i}]", a, b, dtype, result)
         return
     if new == old and type(new) is type(old):
         return
-    if path.endswith(".iterations"):
-        notes.append(f"{path}: iterations {old} -> {new} (recorded, not part of the contract)")
-    elif isinstance(new, float) and isinstance(old, float) and not inputs and not _exact(path):
-        _compare_numbers(path, np.asarray([new]), np.asarray([old]), dtype, problems, notes)
+    name = path.rsplit(".", 1)[-1]
+    floats = isinstance(new, float) and isinstance(old, float)
+    if name == "iterations":
+        result.notes.append(f"{path}: iterations {old} -> {new} (recorded, not compared)")
+    elif floats and name == "previous_lambda":
+        if abs(new - old) <= LAMBDA_ULPS * np.spacing(abs(old)):
+            result.inexact += 1
+        else:
+            result.problems.append(
+                f"{path}: {old!r} -> {new!r} (more than {LAMBDA_ULPS} float64 ulps)"
+            )
+    elif floats and not inputs and name not in _EXACT:
+        _compare_numbers(path, [new], [old], dtype, result)
     else:
-        problems.append(f"{path}: {old!r} -> {new!r}")
+        result.problems.append(f"{path}: {old!r} -> {new!r}")
 
 
-def _exact(path: str) -> bool:
-    """Counters are compared exactly (weight sums of dyadic weights are exact)."""
-    return path.rsplit(".", 1)[-1] in {"weight_sum", "previous_lambda", "n_samples_seen"}
-
-
-def _compare_numbers(path, new, old, dtype, problems, notes):
-    if np.array_equal(new, old):
+def _compare_numbers(path: str, new: list, old: list, dtype: str, result: Comparison) -> None:
+    """``|new − old| ≤ atol + rtol·|old|`` elementwise, the contract's rule."""
+    a, b = np.asarray(new, dtype=np.float64), np.asarray(old, dtype=np.float64)
+    if np.array_equal(a, b):
         return
     rtol, atol = CHECK_TOLERANCE[dtype]
-    excess = np.abs(new - old) - (atol + rtol * np.abs(old))
-    worst = float(np.max(np.abs(new - old)))
-    if np.any(excess > 0):
-        problems.append(f"{path}: differs by up to {worst:.3g} (check tolerance rtol={rtol})")
-    else:
-        notes.append(f"{path}: not bit-identical, within check tolerance ({worst:.3g})")
+    fraction = np.abs(a - b) / (atol + rtol * np.abs(b))
+    worst = float(np.max(fraction))
+    if worst > 1 or not np.all(np.isfinite(a)):
+        beyond = int(np.sum(~(fraction <= 1)))
+        result.problems.append(
+            f"{path}: {beyond} of {a.size} values beyond |new - old| <= atol + rtol*|old| "
+            f"(rtol={rtol:g}, atol={atol:g}); worst {worst:.3g} times the bound, "
+            f"|new - old| up to {float(np.max(np.abs(a - b))):.3g}"
+        )
+        return
+    result.inexact += 1
+    result.worst = max(result.worst, (worst, path))
 
 
-def check(directory: Path) -> int:
+def check(directory: Path, cases: list[CaseSpec] | None = None) -> int:
+    """Regenerate ``cases`` (default: CASES) and compare them with ``directory``.
+
+    Prints a summary; returns 0 when every case is within the check's rules, 1
+    otherwise (differences on stderr, each naming its case and field).
+    """
+    cases = CASES if cases is None else cases
     problems: list[str] = []
-    notes: list[str] = []
-    expected_files = {f"{spec.name}.json" for spec in CASES}
+    expected_files = {f"{spec.name}.json" for spec in cases}
     present = {p.name for p in directory.glob("*.json")}
     for extra in sorted(present - expected_files):
         problems.append(f"{extra}: not produced by the generator")
     for missing in sorted(expected_files - present):
         problems.append(f"{missing}: missing")
-    for spec in CASES:
+    for spec in cases:
         path = directory / f"{spec.name}.json"
         if not path.is_file():
             continue
         old = json.loads(path.read_text())
         new = json.loads(render(build_case(spec)))
-        case_problems: list[str] = []
-        _compare("", new, old, spec.config.dtype, case_problems, notes)
-        problems.extend(f"{spec.name}: {p}" for p in case_problems)
-    for note in notes:
-        print(f"note: {note}")
+        found = compare_case(new, old, spec.config.dtype)
+        problems.extend(f"{spec.name}: {p}" for p in found.problems)
+        for note in found.notes:
+            print(f"note: {spec.name}: {note}")
+        if found.inexact:
+            print(
+                f"note: {spec.name}: {found.inexact} fields not bit-identical, within tolerance "
+                f"(closest: {found.worst[1]} at {found.worst[0]:.3g} of its bound)"
+            )
     if problems:
         print(f"golden corpus is out of date ({len(problems)} differences):", file=sys.stderr)
         for problem in problems[:50]:
@@ -276,7 +356,7 @@ def check(directory: Path) -> int:
             print(f"  ... and {len(problems) - 50} more", file=sys.stderr)
         print("regenerate with: python tests/golden/generate.py", file=sys.stderr)
         return 1
-    print(f"golden corpus up to date: {len(CASES)} cases in {directory}")
+    print(f"golden corpus up to date: {len(cases)} cases in {directory}")
     return 0
 
 
