@@ -185,22 +185,28 @@ def test_sbatch_starts_cuda_workers_with_the_resource_and_runs_a_valid_fit():
     assert parsed.scheduler_file and parsed.report and parsed.no_progress
 
 
-def _pins() -> dict[str, str]:
-    """Exact pins (``name==version``) of pyproject.toml, extras included."""
-    text = (ROOT / "pyproject.toml").read_text()
-    found = re.findall(r'"([A-Za-z0-9_.-]+)(?:\[[^\]]*\])?==([^"]+)"', text)
-    return {name: version for name, version in found if name.startswith(("dask", "distributed"))}
+#: dask-cuda 26.10 pins dask and distributed through rapids-dask-dependency 26.10
+#: (``dask>=2026.7.1,<2026.7.2``): the GPU image installs exactly that release.
+DASK_CUDA_SERIES = "26.10"
+DASK_CUDA_DASK = "2026.7.1"
 
 
-def test_dockerfile_pins_match_the_project_and_copies_what_exists():
+def test_dockerfile_pins_dask_as_dask_cuda_does_and_copies_what_exists():
+    project = (ROOT / "pyproject.toml").read_text()
+    # Both gpu extras (cu12, cu13) follow the dask-cuda series the pin above belongs to.
+    series = re.findall(r'"dask-cuda(?:\[[^\]]*\])?==([^"]+)"', project)
+    assert len(series) == 2 and set(series) == {f"{DASK_CUDA_SERIES}.*"}, series
     text = (DEPLOY / "docker" / "Dockerfile").read_text()
     assert re.search(r"^FROM \$\{CUDA_IMAGE\}", text, re.M)
     assert re.search(r"^ARG CUDA_IMAGE=nvidia/cuda:12\.\S+-runtime-", text, re.M)
-    pins = _pins()
-    assert pins["dask"] == "2026.7.1" and pins["distributed"] == "2026.7.1"
-    for name, version in pins.items():
-        assert f'"{name}=={version}"' in text, name
-    assert '"/src[gpu,io,report]"' in text
+    pins = dict(re.findall(r'"(dask|distributed)==([^"]+)"', text))
+    assert pins == {"dask": DASK_CUDA_DASK, "distributed": DASK_CUDA_DASK}
+    extras = re.findall(r'"/src\[([^\]]+)\]"', text)
+    assert len(extras) == 1 and "gpu" in extras[0].split(","), extras
+    for version in re.findall(r'"dask-cuda(?:\[[^\]]*\])?==([^"]+)"', text):
+        assert version == f"{DASK_CUDA_SERIES}.*", version
+    readme = (DEPLOY / "docker" / "README.md").read_text()
+    assert f"dask-cuda {DASK_CUDA_SERIES}" in readme and DASK_CUDA_DASK in readme
     for source in re.findall(r"^COPY (.+) /src/?\S*$", text, re.M):
         for item in source.split():
             assert (ROOT / item).exists(), item
