@@ -402,7 +402,7 @@ def test_actor_pins_small_chunks_and_mapped_chunks_of_any_size(tmp_path, pin_map
 
 
 def test_compute_keys_runs_each_task_once_after_its_dependencies():
-    from dask._task_spec import Task, TaskRef
+    from dask.task_spec import Task, TaskRef
 
     from rh_dask.distributed.local import compute_keys
 

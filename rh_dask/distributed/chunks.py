@@ -32,12 +32,11 @@ import dask
 import dask.array as da
 import dask.dataframe as dd
 import numpy as np
-from dask._task_spec import DataNode, GraphNode, Task, TaskRef
-from dask.base import collections_to_expr, is_dask_collection, tokenize
-from dask.core import get_dependencies
+from dask.base import is_dask_collection, tokenize
 
 from ..exceptions import ValidationError
 from ..validation import feature_names_of
+from .graphs import DataNode, Task, TaskRef, dependencies, fuse, optimized_graph
 from .items import ChunkSpec
 
 Key = Any
@@ -300,9 +299,7 @@ class ChunkGraph:
 
     def __post_init__(self) -> None:
         with stable_partitions():
-            expr = collections_to_expr(list(self.stream.parts), optimize_graph=True).optimize()
-        part_keys = expr.__dask_keys__()
-        graph = dict(expr.__dask_graph__())
+            graph, part_keys = optimized_graph(self.stream.parts)
         n = self.stream.n_chunks
         per_role = {
             role: _chunk_keys(keys, n)
@@ -332,13 +329,7 @@ class ChunkGraph:
         (keys held by futures): only that cluster can provide them, so the
         chunks cannot be computed by one worker on its own.
         """
-        for key, node in self.graph.items():
-            deps = node.dependencies if isinstance(node, GraphNode) else None
-            if deps is None:
-                deps = get_dependencies(self.graph, key)
-            if any(d not in self.graph for d in deps):
-                return False
-        return True
+        return all(d in self.graph for key in self.graph for d in dependencies(self.graph, key))
 
     def __getstate__(self) -> dict[str, Any]:
         # The plan travels to the engine's worker for loader="actor": the source
@@ -355,11 +346,7 @@ class ChunkGraph:
         """Dependencies inside the graph; keys of persisted data (already in the
         cluster's memory, held by the user's futures) are left out: they are
         referenced, never submitted."""
-        node = self.graph[key]
-        deps = (
-            node.dependencies if isinstance(node, GraphNode) else get_dependencies(self.graph, key)
-        )
-        return [d for d in deps if d in self.graph]
+        return [d for d in dependencies(self.graph, key) if d in self.graph]
 
     def _split(self) -> None:
         """Decide, per chunk, which tasks to submit with it and which to reference.
@@ -451,7 +438,7 @@ class ChunkGraph:
         if self._held_by[index] or len(sub) == 1:
             return sub
         key = self.keys[index]
-        return {key: GraphNode.fuse(*sub.values(), key=key)}
+        return {key: fuse(list(sub.values()), key)}
 
     def shared_owned(self, index: int) -> list[Key]:
         """Keys computed with chunk ``index`` that later chunks reference: hold them."""

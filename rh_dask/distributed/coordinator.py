@@ -32,7 +32,6 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from dask._task_spec import Task, TaskRef
 from dask.highlevelgraph import HighLevelGraph, MaterializedLayer
 from distributed import Future, wait
 
@@ -42,6 +41,7 @@ from ..state import HuberState
 from .actor import EngineActor, deliver_chunk, load_and_deliver
 from .chunks import AlignedStream, ChunkGraph
 from .consumer import BatchRecord, Progress
+from .graphs import Task, TaskRef
 from .items import BadChunk
 from .loading import assemble_chunk
 from .placement import WorkerInfo, choose_worker, cluster_workers

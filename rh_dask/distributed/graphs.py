@@ -7,14 +7,15 @@ is, and what takes its place where a Dask release lacks it:
 * ``dask.task_spec`` (``DataNode``, ``GraphNode``, ``List``, ``Task``,
   ``TaskRef``; a node's ``dependencies``, calling a node with its inputs):
   a public module. Required.
-* ``dask.optimize``, ``dask.get``, ``dask.core.get_dependencies`` and the
-  collection protocol (``__dask_graph__``, ``__dask_keys__``): public and
-  documented. Required.
+* ``dask.optimize``, ``DataFrame.optimize``, ``dask.get``,
+  ``dask.core.get_dependencies`` and the collection protocol
+  (``__dask_graph__``, ``__dask_keys__``): public and documented. Required.
 * ``dask.base.collections_to_expr`` with the ``optimize``,
   ``__dask_graph__`` and ``__dask_keys__`` of the expression it returns: a
   public name that Dask describes as internal (the expression is an object
-  of the private ``dask._expr``). Without it: ``dask.optimize``, then each
-  optimised collection's graph and keys (:func:`optimized_graph`).
+  of the private ``dask._expr``). Without it: each collection optimised
+  on its own (a DataFrame's ``optimize`` method, else ``dask.optimize``),
+  then its graph and keys (:func:`optimized_graph`).
 * ``GraphNode.fuse``: a public method, not in Dask's documentation. Without
   it: one :class:`Task` of our own that runs the tasks in dependency order
   (:func:`fused_task`).
@@ -31,6 +32,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import dask
+import dask.dataframe as dd
 from dask.core import get_dependencies
 from dask.task_spec import DataNode, GraphNode, List, Task, TaskRef
 
@@ -76,11 +78,25 @@ def optimized_graph(collections: Sequence[Any]) -> tuple[dict[Key, Any], list[An
     if _collections_to_expr is not None:
         expr = _collections_to_expr(list(collections), optimize_graph=True).optimize()
         return dict(expr.__dask_graph__()), list(expr.__dask_keys__())
-    optimised = dask.optimize(*collections, traverse=False)
+    optimised = [_optimised(collection) for collection in collections]
     graph: dict[Key, Any] = {}
     for collection in optimised:
         graph.update(collection.__dask_graph__())
     return graph, [collection.__dask_keys__() for collection in optimised]
+
+
+def _optimised(collection: Any) -> Any:
+    """``collection`` with its graph optimised, through documented calls only.
+
+    One collection at a time: ``dask.optimize`` of a DataFrame projection
+    returns the unprojected frame (Dask 2025.12.0 to 2026.8.0), so DataFrames
+    and Series use their own ``optimize`` method. Inputs shared by several
+    collections keep their keys, so merging the graphs computes them once.
+    """
+    if isinstance(collection, (dd.DataFrame, dd.Series)):
+        return collection.optimize()
+    (out,) = dask.optimize(collection, traverse=False)
+    return out
 
 
 def dependencies(graph: dict[Key, Any], key: Key) -> Any:

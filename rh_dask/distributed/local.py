@@ -1,9 +1,9 @@
 """The single-process walk, used when no ``distributed.Client`` is around.
 
 Chunks are computed in this process (each chunk's tasks in dependency order
-on one thread, :func:`compute_keys`), up to ``lookahead`` of them at once on a
-small thread pool, and handed to the
-caller's consumer strictly in index order. Keys shared by several chunks are
+on one thread, :func:`~.graphs.compute_keys`), up to ``lookahead`` of them at
+once on a small thread pool, and handed to the caller's consumer strictly in
+index order. Keys shared by several chunks are
 computed once, with the first chunk that needs them (see
 :class:`~.chunks.ChunkGraph`), and live as long as a later chunk may need them.
 """
@@ -18,62 +18,18 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import closing
 from typing import Any
 
-from dask._task_spec import DataNode, GraphNode, convert_legacy_graph
-
 from ..exceptions import StreamError
 from .chunks import ChunkGraph
+from .graphs import DataNode, compute_keys
 from .items import ChunkItem
 
 Key = Any
 
 
-def compute_keys(dsk: dict[Key, Any], keys: list[Key]) -> list[Any]:
-    """The values of ``keys`` in the small graph of one chunk, on this thread.
-
-    Each task runs once, after its dependencies, and an intermediate value
-    is dropped once its last user has run. Dask's synchronous scheduler
-    would do the same but first orders the graph (``dask.order``), which on
-    an H200 worker was up to two thirds of a loading thread's samples holding
-    the interpreter lock at 65,536-row chunks (``benchmarks/native_profile.py
-    --gil``), for graphs of a handful of tasks that any order computes alike.
-    """
-    if not all(isinstance(node, GraphNode) for node in dsk.values()):
-        dsk = convert_legacy_graph(dsk)
-    # Dependency-first order from the requested keys (iterative: no recursion limit).
-    order: list[Key] = []
-    seen: set[Key] = set()
-    for root in keys:
-        stack: list[tuple[Key, bool]] = [(root, False)]
-        while stack:
-            key, expanded = stack.pop()
-            if expanded:
-                order.append(key)
-                continue
-            if key in seen:
-                continue
-            seen.add(key)
-            stack.append((key, True))
-            stack.extend((dep, False) for dep in dsk[key].dependencies if dep not in seen)
-    users: dict[Key, int] = dict.fromkeys(order, 0)
-    for key in order:
-        for dep in dsk[key].dependencies:
-            users[dep] += 1
-    wanted = set(keys)
-    cache: dict[Key, Any] = {}
-    for key in order:
-        node = dsk[key]
-        cache[key] = node(cache)
-        for dep in node.dependencies:
-            users[dep] -= 1
-            if users[dep] == 0 and dep not in wanted:
-                del cache[dep]
-    return [cache[key] for key in keys]
-
-
 def load_chunk(
     graph: ChunkGraph, index: int, needs: list[tuple[Key, Future[Any]]]
 ) -> tuple[ChunkItem, dict[Key, Any]]:
-    """Compute chunk ``index`` here (:func:`compute_keys`).
+    """Compute chunk ``index`` here (:func:`~.graphs.compute_keys`).
 
     ``needs`` are the held keys of earlier chunks it references, with the
     futures of the jobs that computed them (whose results have this

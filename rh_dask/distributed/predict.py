@@ -12,7 +12,6 @@ from typing import Any
 import dask.array as da
 import dask.dataframe as dd
 import numpy as np
-from dask._task_spec import List, Task, TaskRef
 from dask.delayed import Delayed
 
 from ..exceptions import ValidationError
@@ -23,6 +22,7 @@ from ..validation import (
     validate_features,
 )
 from .chunks import ChunkGraph, align_stream
+from .graphs import List, Task, TaskRef
 from .items import ChunkSpec
 from .loading import chunk_parts, validate_chunk
 
