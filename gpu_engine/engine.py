@@ -21,9 +21,11 @@ a few hundred bytes of control data per iteration. One batch runs as:
    accepts the first that passes). Rounds are queued several at a time,
    followed by the commit (``rh_commit_eval``, the GEMM, ``rh_commit_finish``);
    kernels of a finished solve, and the commit of an unfinished one, return
-   at once. A batch that ``rh_build`` finds invalid is finished at once and
-   never committed (the commit kernels test its flag), so the host can raise
-   after its first synchronisation with β, J and the β mirror untouched.
+   at once. A batch that ``rh_build`` finds invalid is finished at once:
+   every iterating kernel and both commit kernels test its flag
+   (``solve_open``, ``commit_due`` in ``huber.cu``), so whatever was queued
+   for it, the host raises after its first synchronisation with β, J and the
+   β mirror untouched, and never advances the counters of a flagged batch.
 
 The host reads a host-mapped status block after each synchronisation: one
 per Newton iteration, one per queue of LAMM rounds (one more for a weighted
@@ -521,6 +523,10 @@ class GpuEngine:
                 self._solve_lamm(n)
             else:
                 self._solve_newton(n, p)
+        # The solvers raise at their first synchronisation already; this test
+        # keeps the counters of a refused batch untouched whatever path the
+        # solve took (the kernels never commit a flagged batch either).
+        self._raise_if_invalid()
         if not ws.status_i[layout.I_COMMITTED]:  # pragma: no cover - a kernel bug
             raise RuntimeError("the GPU engine stopped without committing the batch")
         iterations = int(ws.status_i[layout.I_ITER])

@@ -461,6 +461,105 @@ def test_refused_batches_change_nothing_on_the_newton_paths(dtype, cholesky, gra
         twin.close()
 
 
+def _capped_lamm_batch(n: int, dtype: str, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """Twelve correlated features on scales 0.1 to 30, Student-t(1.5) noise.
+
+    Poorly scaled columns and heavy tails: from β = 0 LAMM runs into the
+    100-iteration cap on a 20,000-row batch (so does the NumPy reference),
+    and the next batch's queue holds 101 rounds of 8 trials.
+    """
+    rng = np.random.default_rng(seed)
+    scale = np.logspace(-1.0, 1.5, 12)
+    common = rng.standard_normal((n, 1))
+    X = (0.8 * common + 0.6 * rng.standard_normal((n, 12))) * scale
+    y = X @ (np.linspace(-2.0, 2.0, 12) / scale) + 3.0 + rng.standard_t(1.5, n)
+    return X.astype(dtype), y.astype(dtype)
+
+
+def _state_bits(engine) -> dict:
+    """Every field ``export_state()`` returns, as bytes, and the β host mirror."""
+    state = engine.export_state()
+    beta = state.coefficients.tobytes()
+    assert engine.coefficients().tobytes() == beta, "coefficients() differs from the state's β"
+    assert engine._ws.beta_host.tobytes() == beta, "the β mirror differs from the state's β"
+    return {
+        "beta": beta,
+        "information": state.information.tobytes(),
+        "dtypes": (state.coefficients.dtype, state.information.dtype),
+        **state.counters(),
+    }
+
+
+def _bad_l1_batches(X, y):
+    """``(name, X, y, w, message)``: one NaN or ±inf in X, y or the weights."""
+    n = len(y)
+    w = np.linspace(0.5, 1.5, n).astype(X.dtype)
+    nan_x = X.copy()
+    nan_x[n // 2, 3] = np.nan
+    inf_y = y.copy()
+    inf_y[-1] = np.inf
+    neg_inf_y = y.copy()
+    neg_inf_y[0] = -np.inf
+    nan_w = w.copy()
+    nan_w[7] = np.nan
+    inf_w = w.copy()
+    inf_w[-1] = np.inf
+    yield "NaN in X", nan_x, y, None, "finite"
+    yield "inf in y", X, inf_y, None, "finite"
+    yield "-inf in y", X, neg_inf_y, None, "finite"
+    yield "NaN in X, weighted", nan_x, y, w, "finite"
+    yield "NaN in the weights", X, y, nan_w, "sample_weight must be finite"
+    yield "inf in the weights", X, y, inf_w, "sample_weight must be finite"
+
+
+@pytest.mark.parametrize("graphs", [True, False])
+@pytest.mark.parametrize("dtype", ["float64", "float32"])
+def test_l1_refusals_after_a_capped_lamm_batch_leave_every_field_bitwise(dtype, graphs):
+    """L1 after a batch that ran LAMM into its cap: a refused batch changes no bit.
+
+    Device (CuPy) and host (NumPy) input both reach the engine unscanned, as
+    in a GPU Dask stream, so the device's validation flag alone stops them:
+    β, J, every counter, λ, W, the β mirror and ``coefficients()`` stay as
+    they were, through ``partial_fit`` and through ``partial_fit_stream``
+    (whose prefetch of the next batch must not disturb it either), and the
+    next good batch gives the bits of a stream that never saw the refusals.
+    """
+    config = HuberConfig(penalty="l1", dtype=dtype)
+    X0, y0 = _capped_lamm_batch(500, dtype, seed=21)
+    X1, y1 = _capped_lamm_batch(20000, dtype, seed=22)
+    X2, y2 = _capped_lamm_batch(3000, dtype, seed=23)
+    engine = GpuEngine(config, graphs=graphs)
+    engine.partial_fit(cp.asarray(X0), cp.asarray(y0))
+    long = engine.partial_fit(cp.asarray(X1), cp.asarray(y1))
+    assert long.iterations >= 50, f"the long batch took only {long.iterations} LAMM iterations"
+    before = _state_bits(engine)
+    count = 0
+    for name, bad_x, bad_y, bad_w, message in _bad_l1_batches(X2, y2):
+        for device in (True, False):
+            args = (bad_x, bad_y, bad_w)
+            if device:
+                args = tuple(None if a is None else cp.asarray(a) for a in args)
+            with pytest.raises(ValidationError, match=message):
+                engine.partial_fit(*args)
+            assert _state_bits(engine) == before, f"{name} (device={device})"
+            count += 1
+    assert count == 12
+    batches = engine.partial_fit_stream([(X2, y2 + np.asarray(np.nan, dtype)), (X2, y2)])
+    with pytest.raises(ValidationError, match="finite"):
+        next(batches)
+    assert _state_bits(engine) == before, "partial_fit_stream"
+    follow = engine.partial_fit(X2, y2)  # the copy partial_fit_stream prefetched
+    twin = GpuEngine(config, graphs=graphs)
+    twin.partial_fit(cp.asarray(X0), cp.asarray(y0))
+    twin.partial_fit(cp.asarray(X1), cp.asarray(y1))
+    twin_follow = twin.partial_fit(cp.asarray(X2), cp.asarray(y2))
+    assert _state_bits(engine) == _state_bits(twin)
+    assert follow == twin_follow
+    assert engine.graph_error is None and engine.graphs is graphs
+    engine.close()
+    twin.close()
+
+
 def test_other_device_is_refused():
     if _device_count() < 2:
         X, y = _stream(5, [100], "float64")[0]

@@ -297,6 +297,66 @@ def test_gpu_engine_without_gpu_raises_never_falls_back(params, stream):
     assert not hasattr(model, "n_features_in_")
 
 
+def _poorly_scaled_batch(n: int, dtype: str, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """Correlated columns on scales 0.1 to 30, Student-t(1.5) noise: long LAMM solves."""
+    rng = np.random.default_rng(seed)
+    scale = np.logspace(-1.0, 1.5, 12)
+    X = (0.8 * rng.standard_normal((n, 1)) + 0.6 * rng.standard_normal((n, 12))) * scale
+    y = X @ (np.linspace(-2.0, 2.0, 12) / scale) + 3.0 + rng.standard_t(1.5, n)
+    return X.astype(dtype), y.astype(dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not gpu_usable(), reason="needs CuPy and a CUDA GPU")
+@pytest.mark.parametrize("dtype", ["float64", "float32"])
+def test_gpu_l1_refused_device_batches_leave_the_model_alone(dtype, snapshot, assert_unchanged):
+    """engine="gpu", penalty="l1", after a batch that ran LAMM into its cap.
+
+    CuPy batches skip the host's finiteness scan (the engine checks them on
+    the device), in memory and as chunks of a Dask array: a refused one
+    leaves the model bit-identical, and the stream then continues with the
+    bits of a model that never saw it.
+    """
+    cp = pytest.importorskip("cupy")
+    da = pytest.importorskip("dask.array")
+    from rh_dask.exceptions import StreamError
+
+    X0, y0 = _poorly_scaled_batch(500, dtype, seed=31)
+    X1, y1 = _poorly_scaled_batch(20000, dtype, seed=32)
+    X2, y2 = _poorly_scaled_batch(3000, dtype, seed=33)
+    model = RenewableHuberRegressor(engine="gpu", penalty="l1", dtype=dtype)
+    model.partial_fit(cp.asarray(X0), cp.asarray(y0))
+    model.partial_fit(cp.asarray(X1), cp.asarray(y1))
+    assert model.n_iter_ >= 50, f"the long batch took only {model.n_iter_} LAMM iterations"
+    before = snapshot(model)
+    w = cp.ones(len(y2), dtype=dtype)
+    bad = {
+        "NaN in X": (_with(X2, (1500, 4), np.nan).astype(dtype), y2, None),
+        "inf in y": (X2, _with(y2, 2999, np.inf).astype(dtype), None),
+        "NaN in the weights": (X2, y2, _with(w.get(), 0, np.nan).astype(dtype)),
+    }
+    for name, (X, y, weights) in bad.items():
+        args = [None if a is None else cp.asarray(a) for a in (X, y, weights)]
+        with pytest.raises(ValidationError, match="finite"):
+            model.partial_fit(*args)
+        assert_unchanged(before, snapshot(model))
+        # coef_history_ holds float64 copies of the engine's host mirror of β
+        beta = model.state_.coefficients.astype(np.float64)
+        assert model.coef_history_[-1].tobytes() == beta.tobytes(), name
+    # The first of three chunks is the refused one: nothing of the stream is consumed.
+    nan_first_chunk = _with(X2, (5, 2), np.nan).astype(dtype)
+    bad_chunks = da.from_array(cp.asarray(nan_first_chunk), chunks=(1000, 12), asarray=False)
+    good_y = da.from_array(cp.asarray(y2), chunks=1000, asarray=False)
+    with pytest.raises(StreamError, match="finite"):
+        model.partial_fit(bad_chunks, good_y)
+    assert_unchanged(before, snapshot(model))
+    model.partial_fit(cp.asarray(X2), cp.asarray(y2))
+    twin = RenewableHuberRegressor(engine="gpu", penalty="l1", dtype=dtype)
+    for X, y in ((X0, y0), (X1, y1), (X2, y2)):
+        twin.partial_fit(cp.asarray(X), cp.asarray(y))
+    assert_unchanged(snapshot(twin), snapshot(model))
+
+
 def test_numpy_engine_refuses_a_cuda_device(stream):
     with pytest.raises(EngineUnavailableError, match="CPU only"):
         RenewableHuberRegressor(engine="numpy", device="cuda:0").fit(stream.X, stream.y)

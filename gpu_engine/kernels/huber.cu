@@ -89,6 +89,26 @@ __device__ __forceinline__ void record_stall(int* ci) {
   ci[RH_I_DONE] = 1;
 }
 
+// The batch failed rh_build's validation (RH_I_INVALID: bit 1 non-finite X
+// or y, bit 2 a negative or non-finite weight). The host refuses it, so
+// nothing computed from it may reach β, J or the host-mapped β mirror.
+__device__ __forceinline__ bool batch_refused(const int* ci) { return ci[RH_I_INVALID] != 0; }
+
+// Whether the iterating kernels still run: the solve has not stopped and
+// the batch passed validation. Every iterating kernel tests it, so that
+// rounds queued for a refused batch neither step nor stall.
+__device__ __forceinline__ bool solve_open(const int* ci) {
+  return ci[RH_I_DONE] == 0 && !batch_refused(ci);
+}
+
+// Whether the commit kernels write now: the solve has stopped, the batch is
+// not committed yet, and it passed validation. This is the only way into
+// the writes of β, J and the β mirror, whatever ended the solve (converged,
+// capped, stalled) and however the kernels were queued.
+__device__ __forceinline__ bool commit_due(const int* ci) {
+  return ci[RH_I_DONE] != 0 && ci[RH_I_COMMITTED] == 0 && !batch_refused(ci);
+}
+
 // A vector spread over a warp's registers (element i in lane i % 32, register
 // i / 32): this lane's register of element k's row (selected with unrolled
 // compares, so that vr stays in registers rather than local memory).
@@ -355,8 +375,8 @@ rh_build(const T* __restrict__ X, long long ldx, const T* __restrict__ y,
     if (red[MAX_WARPS * 32 + 0] > 0.0) flags |= 1;
     if (red[MAX_WARPS * 32 + 1] > 0.0) flags |= 2;
     ci[RH_I_INVALID] = flags;
-    // A refused batch stops here: the queued LAMM rounds return at once and
-    // the commit kernels, which also test the flag, never touch β or J.
+    // A refused batch stops here: the iterating kernels and the commit
+    // kernels test the flag (solve_open, commit_due) and return at once.
     if (flags != 0) ci[RH_I_DONE] = 1;
     ctl[RH_S_WSUM] = red[MAX_WARPS * 32 + 2];
   }
@@ -573,6 +593,9 @@ rh_newton_search(const T* __restrict__ Z, long long ldz, long long n, long long 
                  const T* __restrict__ g, const T* __restrict__ J, const T* __restrict__ L,
                  const T* __restrict__ Hs, double* __restrict__ ctl, T* __restrict__ beta,
                  double* __restrict__ partials, double* status, long long force) {
+  // The host launches a step only while the solve runs; a refused batch's
+  // first step returns here (its status is rh_build's, with the flag).
+  if (!solve_open(ctl_ints(ctl))) return;
   extern __shared__ double smem_d[];
   T* sd = reinterpret_cast<T*>(smem_d);
   __shared__ double red[(MAX_WARPS + 1) * 32];
@@ -689,8 +712,7 @@ rh_commit_eval(const T* __restrict__ Z, long long ldz, long long n, long long p,
                double* __restrict__ partials, double* status) {
   // Queued after every LAMM round group: a no-op until the solve is done,
   // and for a batch that failed validation.
-  const int* ci = ctl_ints(ctl);
-  if (ci[RH_I_DONE] == 0 || ci[RH_I_COMMITTED] != 0 || ci[RH_I_INVALID] != 0) return;
+  if (!commit_due(ctl_ints(ctl))) return;
   if (eval_rows<false>(Z, ldz, n, p, y, w, beta, ctl, (T*)nullptr, M, ldm, partials))
     mirror_status(ctl, status);
 }
@@ -710,7 +732,7 @@ rh_commit_finish(const T* __restrict__ C, T* __restrict__ J, const T* __restrict
   // never for a batch that failed validation (rh_build set the flag; the host
   // raises after its first synchronisation, when these kernels have run).
   int* ci = ctl_ints(ctl);
-  if (ci[RH_I_DONE] == 0 || ci[RH_I_COMMITTED] != 0 || ci[RH_I_INVALID] != 0) return;
+  if (!commit_due(ci)) return;
   __shared__ double red[MAX_WARPS * 3];
   const bool has_hist = ctl[RH_P_HAS_HIST] != 0.0;
   __shared__ double scratch[RH_SMALL_THREADS];
@@ -752,7 +774,8 @@ rh_commit_finish(const T* __restrict__ C, T* __restrict__ J, const T* __restrict
 // into its own shared-memory row (lanes own columns: no atomics), blocks
 // write their partial Zᵀ(wψ), the last block adds them in block order and
 // forms g = (JΔ − Zᵀwψ)/N − hist·s. Skipped while a φ round of the same
-// iteration is still pending (r and g are unchanged) or once the solve is done.
+// iteration is still pending (r and g are unchanged), once the solve is done
+// and for a refused batch.
 // Dynamic shared memory: nwarps·ldp doubles + p values of T.
 // ---------------------------------------------------------------------------
 template <typename T>
@@ -762,7 +785,7 @@ rh_lamm_eval(const T* __restrict__ Z, long long ldz, long long n, long long p, l
              const T* __restrict__ beta0, const T* __restrict__ J, double* __restrict__ ctl,
              T* __restrict__ r, T* __restrict__ g, double* __restrict__ partials) {
   int* ci = ctl_ints(ctl);
-  if (ci[RH_I_DONE] != 0 || ci[RH_I_TRIALS] != 0) return;
+  if (!solve_open(ci) || ci[RH_I_TRIALS] != 0) return;
   extern __shared__ double smem_d[];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
   double* acc = smem_d;  // [nwarps][ldp]
@@ -840,7 +863,7 @@ rh_lamm_trials(const T* __restrict__ Z, long long ldz, long long n, long long p,
                const T* __restrict__ J, double* __restrict__ ctl, T* __restrict__ beta,
                double* __restrict__ partials, double* status) {
   int* ci = ctl_ints(ctl);
-  if (ci[RH_I_DONE] != 0) return;
+  if (!solve_open(ci)) return;
   constexpr int K = RH_LAMM_ROUND;
   extern __shared__ double smem_d[];
   __shared__ double red[(MAX_WARPS + 1) * 32];
