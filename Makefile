@@ -1,32 +1,94 @@
 # Two entry points for a fresh machine: `make demo` and `make test`.
-# Both create ./.venv with the project and its test/IO extras on first use.
+# Both create ./.venv on first use, with the project and its test/IO extras at
+# the exact versions of requirements/ci.txt (see docs/development.md).
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
+STAMP := $(BIN)/rh-dask-installed
+LOCK := requirements/ci.txt
+LOCKTOOL := requirements/lockfile.py
+EXTRAS := dev,io,report,bench
+OLDEST_LOCK ?= requirements/oldest.txt
+OLDEST_VENV := .venv-oldest
+PIP_QUIET := -q
+# Extra pytest arguments for test and test-oldest, e.g. PYTEST_ARGS=tests/test_golden.py.
+PYTEST_ARGS ?=
 
-.PHONY: demo test lint format clean
+.PHONY: demo test test-oldest test-latest lock locked-python lint format clean
 
-$(BIN)/rh-dask-installed: pyproject.toml
+# The stamp holds "locked" when .venv is exactly the lock: pip and setuptools
+# first (so the build backend is the locked one), then the project with
+# --no-build-isolation, then a check that nothing outside the lock came in.
+# On another Python minor than the lock's, .venv gets the newest releases
+# instead and the stamp says "unlocked": `make demo` runs on any Python >= 3.10,
+# `make test` refuses.
+$(STAMP): pyproject.toml $(LOCK)
 	$(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q -e ".[dev,io,report,bench]"
-	touch $@
+	@set -e; \
+	if $(PYTHON) $(LOCKTOOL) check-python $(LOCK) >/dev/null 2>&1; then \
+		mode=locked; pins="-c $(LOCK)"; \
+	else \
+		mode=unlocked; pins=; \
+		echo "note: $(LOCK) is for another Python minor: installing the newest releases" >&2; \
+	fi; \
+	echo "installing into $(VENV) ($$mode)"; \
+	$(BIN)/python -m pip install $(PIP_QUIET) $$pins --upgrade pip setuptools; \
+	$(BIN)/python -m pip install $(PIP_QUIET) $$pins --no-build-isolation -e ".[$(EXTRAS)]" \
+		|| { if [ $$mode = locked ]; then echo "error: $(LOCK) does not satisfy" \
+			"pyproject.toml; refresh it with: make lock" >&2; fi; exit 1; }; \
+	if [ $$mode = locked ]; then $(BIN)/python $(LOCKTOOL) verify $(LOCK); fi; \
+	echo $$mode > $@
 
 # Writes a generated stream to a temporary Parquet dataset, fits it on a local
 # cluster (CUDA when dask-cuda sees a GPU), saves rh-dask-output/demo/.
-demo: $(BIN)/rh-dask-installed
+demo: $(STAMP)
 	$(BIN)/rh-dask demo
 
-test: $(BIN)/rh-dask-installed
+# The locked suite: what decides CI. pytest's own exit status (5 when no test
+# ran) fails the target.
+test: locked-python $(STAMP)
+	@grep -qx locked $(STAMP) || { echo "error: $(VENV) was not installed from $(LOCK);" \
+		"remove it (make clean) and run make test with the lock's Python" >&2; exit 1; }
 	$(BIN)/ruff format --check .
 	$(BIN)/ruff check .
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
 
-lint: $(BIN)/rh-dask-installed
+locked-python:
+	@$(PYTHON) $(LOCKTOOL) check-python $(LOCK)
+
+# The suite on the oldest supported Dask: a fresh .venv-oldest constrained by
+# OLDEST_LOCK (any name==version file; `make test-oldest OLDEST_LOCK=...`).
+test-oldest:
+	@test -f $(OLDEST_LOCK) || { echo "error: no $(OLDEST_LOCK)" >&2; exit 1; }
+	$(PYTHON) $(LOCKTOOL) check-python $(OLDEST_LOCK)
+	rm -rf $(OLDEST_VENV)
+	$(PYTHON) -m venv $(OLDEST_VENV)
+	$(OLDEST_VENV)/bin/python -m pip install $(PIP_QUIET) -c $(OLDEST_LOCK) --upgrade pip setuptools
+	$(OLDEST_VENV)/bin/python -m pip install $(PIP_QUIET) -c $(OLDEST_LOCK) --no-build-isolation \
+		-e ".[dev,io,report]"
+	@$(OLDEST_VENV)/bin/python $(LOCKTOOL) versions dask distributed numpy pandas
+	$(OLDEST_VENV)/bin/python -m pytest -q -p no:cacheprovider $(PYTEST_ARGS)
+
+# The suite against the newest releases (no lock) in .venv-latest; prints a
+# DRIFT STAGE banner and keeps pytest's output in .ci-logs/drift.log.
+test-latest:
+	PYTHON=$(PYTHON) bash .ci/drift
+
+# Refreshes requirements/ci.txt: a throwaway environment with the newest
+# releases of everything pyproject.toml asks for, frozen.
+lock:
+	@set -e; tmp=$$(mktemp -d); trap 'rm -rf "$$tmp"' EXIT; \
+	$(PYTHON) -m venv "$$tmp/venv"; \
+	"$$tmp/venv/bin/python" -m pip install $(PIP_QUIET) --upgrade pip setuptools; \
+	"$$tmp/venv/bin/python" -m pip install $(PIP_QUIET) --upgrade --no-build-isolation -e \
+		".[$(EXTRAS)]"; \
+	"$$tmp/venv/bin/python" $(LOCKTOOL) write $(LOCK)
+
+lint: $(STAMP)
 	$(BIN)/ruff format --check . && $(BIN)/ruff check .
 
-format: $(BIN)/rh-dask-installed
+format: $(STAMP)
 	$(BIN)/ruff format . && $(BIN)/ruff check --fix .
 
 clean:
-	rm -rf $(VENV) .pytest_cache .ruff_cache
+	rm -rf $(VENV) .venv-latest $(OLDEST_VENV) .ci-logs .pytest_cache .ruff_cache
