@@ -16,6 +16,7 @@ from .config import HuberConfig
 from .engines import Engine, NumpyEngine, make_engine
 from .estimator import RenewableHuberRegressor
 from .exceptions import (
+    BadChunkError,
     CheckpointError,
     EngineUnavailableError,
     InputTypeError,
@@ -27,6 +28,7 @@ from .exceptions import (
 from .state import BatchDiagnostics, HuberState
 
 __all__ = [
+    "BadChunkError",
     "BatchDiagnostics",
     "CheckpointError",
     "Engine",

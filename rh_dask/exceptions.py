@@ -6,9 +6,10 @@ caller can catch the library's errors without catching unrelated ones.
 
 from __future__ import annotations
 
-from sklearn.exceptions import NotFittedError
+from sklearn.exceptions import NotFittedError as _SklearnNotFittedError
 
 __all__ = [
+    "BadChunkError",
     "CheckpointError",
     "EngineUnavailableError",
     "InputTypeError",
@@ -21,6 +22,15 @@ __all__ = [
 
 class RhDaskError(Exception):
     """Base class of the errors rh-dask raises on purpose."""
+
+
+class NotFittedError(RhDaskError, _SklearnNotFittedError):
+    """A fitted attribute, ``predict`` or ``save`` was used before any batch.
+
+    Also scikit-learn's :class:`sklearn.exceptions.NotFittedError` (and so a
+    ``ValueError`` and an ``AttributeError``: ``hasattr(model, "coef_")`` is
+    false on an unfitted model), so code written for scikit-learn catches it.
+    """
 
 
 class ValidationError(RhDaskError, ValueError):
@@ -58,3 +68,15 @@ class StreamError(RhDaskError, RuntimeError):
     def __init__(self, message: str, chunk_index: int | None = None) -> None:
         super().__init__(message)
         self.chunk_index = chunk_index
+
+
+class BadChunkError(StreamError, ValidationError):
+    """A chunk of a Dask stream was refused for its data (bad values, width, types).
+
+    Both a :class:`StreamError` (the stream stopped at ``chunk_index``; the
+    model keeps the state after the last good chunk) and a
+    :class:`ValidationError`, so bad data in a stream is caught as a
+    ``ValueError`` just like bad data in memory. A chunk whose loading failed
+    for another reason (an I/O error in its task) raises a plain
+    :class:`StreamError`.
+    """

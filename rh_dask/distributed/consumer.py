@@ -24,6 +24,7 @@ from typing import Any
 import numpy as np
 
 from ..engines import Engine
+from ..exceptions import ValidationError
 from ..state import HuberState
 from .items import BadChunk, ChunkItem, EmptyChunk, LoadedChunk
 
@@ -353,8 +354,11 @@ class OrderedConsumer:
             with self._limit():
                 diag = self.engine.partial_fit(item.X, item.y, item.sample_weight)
         except Exception as exc:  # the engine refused the batch; its state is unchanged
+            verb = "was refused" if isinstance(exc, ValidationError) else "failed in the engine"
             with self._cond:
-                self._failure = BadChunk(item.index, f"{type(exc).__name__}: {exc}", exc)
+                self._failure = BadChunk(
+                    item.index, f"{type(exc).__name__}: {exc}", exc, verb=verb
+                )
             return
         self._record(item, diag, time.perf_counter() - start)
 

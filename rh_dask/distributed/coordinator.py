@@ -36,13 +36,13 @@ from dask.highlevelgraph import HighLevelGraph, MaterializedLayer
 from distributed import Future, wait
 
 from ..config import HuberConfig
-from ..exceptions import StreamError
+from ..exceptions import StreamError, ValidationError
 from ..state import HuberState
 from .actor import EngineActor, deliver_chunk, load_and_deliver
 from .chunks import AlignedStream, ChunkGraph
 from .consumer import BatchRecord, Progress
 from .graphs import Task, TaskRef
-from .items import BadChunk
+from .items import BadChunk, chunk_error
 from .loading import assemble_chunk
 from .placement import WorkerInfo, choose_worker, cluster_workers
 from .progress import StreamProgress
@@ -127,14 +127,14 @@ def resolve_loader(
 
     Raises
     ------
-    ValueError
+    ValidationError
         For an unknown ``loader``, or ``"actor"`` with a graph referencing
         persisted data.
     """
     if loader not in LOADERS:
-        raise ValueError(f"loader must be one of {LOADERS}, got {loader!r}")
+        raise ValidationError(f"loader must be one of {LOADERS}, got {loader!r}")
     if loader == "actor" and not self_contained:
-        raise ValueError(
+        raise ValidationError(
             "loader='actor' computes chunks on the engine's worker alone, but this "
             "collection references data persisted on the cluster; use loader='auto', "
             "'engine-worker' or 'cluster'"
@@ -343,12 +343,7 @@ class ClusterWalk:
     def _load_failure(self, index: int) -> StreamError:
         fut = self._inflight[index]
         if fut.status == "error":
-            exc = fut.exception()
-            err = StreamError(
-                f"chunk {index} could not be loaded: {type(exc).__name__}: {exc}", index
-            )
-            err.__cause__ = exc
-            return err
+            return chunk_error(index, fut.exception())
         return StreamError(f"chunk {index} was {fut.status} before it reached the engine", index)
 
     def _poll(self, consumed: int, n_records: int, min_new: int, address: str) -> Progress:
@@ -454,6 +449,4 @@ class ClusterWalk:
 
 
 def _chunk_failure(bad: BadChunk) -> StreamError:
-    err = StreamError(bad.message, bad.index)
-    err.__cause__ = bad.error
-    return err
+    return bad.exception()

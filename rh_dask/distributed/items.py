@@ -12,6 +12,8 @@ from typing import Any
 
 import numpy as np
 
+from ..exceptions import BadChunkError, StreamError, ValidationError
+
 
 @dataclass(frozen=True)
 class ChunkSpec:
@@ -93,16 +95,18 @@ class EmptyChunk:
 
 @dataclass(frozen=True)
 class BadChunk:
-    """A chunk that failed validation; the stream stops in front of it.
+    """A chunk the stream stops in front of: refused, or its loading failed.
 
     Attributes
     ----------
     index : int
         The chunk's position.
     reason : str
-        Why it was refused (the validation message).
+        Why it failed (the validation or loading message).
     error : BaseException
-        The original exception, kept as the cause of the stream error.
+        The original exception, kept as the cause of the stream error; a
+        :class:`~rh_dask.exceptions.ValidationError` means the chunk's data
+        was refused (:attr:`refused`).
     verb : str
         What happened to the chunk, for the error message: ``"was refused"``
         (validation, the engine) or ``"could not be loaded"`` (computing it
@@ -119,6 +123,33 @@ class BadChunk:
     @property
     def message(self) -> str:
         return f"chunk {self.index} {self.verb}: {self.reason}"
+
+    @property
+    def refused(self) -> bool:
+        """Whether the chunk's data failed validation (not its task or the engine's device)."""
+        return isinstance(self.error, ValidationError)
+
+    def exception(self) -> StreamError:
+        """The error the stream raises for this chunk (see :func:`chunk_error`)."""
+        return chunk_error(self.index, self.error, self.message)
+
+
+def chunk_error(index: int, cause: BaseException, message: str | None = None) -> StreamError:
+    """The error that stops a stream at chunk ``index``, with ``cause`` chained.
+
+    :class:`~rh_dask.exceptions.BadChunkError` (a ``ValueError`` too) when
+    ``cause`` is a validation refusal of the chunk's data, by the loader or
+    the engine; a plain :class:`~rh_dask.exceptions.StreamError` for any
+    other failure (an I/O error in the chunk's task, a device fault).
+    ``message`` defaults to one for a chunk whose loading raised ``cause``.
+    """
+    refused = isinstance(cause, ValidationError)
+    if message is None:
+        verb = "was refused" if refused else "could not be loaded"
+        message = f"chunk {index} {verb}: {type(cause).__name__}: {cause}"
+    err = (BadChunkError if refused else StreamError)(message, index)
+    err.__cause__ = cause
+    return err
 
 
 ChunkItem = LoadedChunk | EmptyChunk | BadChunk

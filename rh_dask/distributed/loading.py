@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from ..exceptions import ValidationError
 from ..validation import Batch, validate_batch
 from .items import BadChunk, ChunkItem, ChunkSpec, EmptyChunk, LoadedChunk
 
@@ -20,6 +21,10 @@ def chunk_parts(x_part: Any, y_part: Any, w_part: Any, spec: ChunkSpec) -> tuple
         w_part = spec.weight_value  # validate_batch broadcasts a scalar weight
     if spec.target is None and spec.weight is None:
         return x_part, y_part, w_part
+    columns = getattr(x_part, "columns", ())
+    for role, col in (("y", spec.target), ("sample_weight", spec.weight)):
+        if col is not None and col not in columns:
+            raise ValidationError(f"the partition has no column {col!r} (the {role} column)")
     y = x_part[spec.target] if spec.target is not None else y_part
     w = x_part[spec.weight] if spec.weight is not None else w_part
     # Dropping (not selecting by the expected names) keeps a partition whose
@@ -76,13 +81,11 @@ def assemble_chunk(x_part: Any, y_part: Any, w_part: Any, spec: ChunkSpec) -> Ch
         if rows == 0:
             y_rows = _row_count(y_part)
             if y_rows not in (0, None):
-                return BadChunk(
-                    spec.index,
-                    f"X has 0 rows but y has {y_rows}",
-                    ValueError("misaligned empty chunk"),
-                )
+                reason = f"X has 0 rows but y has {y_rows}"
+                return BadChunk(spec.index, reason, ValidationError(reason))
             return EmptyChunk(spec.index)
         batch = validate_chunk(X, y_part, w_part, spec)
-    except Exception as exc:  # any refusal of this chunk's data ends the stream here
-        return BadChunk(spec.index, f"{type(exc).__name__}: {exc}", exc)
+    except Exception as exc:  # any failure of this chunk ends the stream here
+        verb = "was refused" if isinstance(exc, ValidationError) else "could not be loaded"
+        return BadChunk(spec.index, f"{type(exc).__name__}: {exc}", exc, verb=verb)
     return LoadedChunk(spec.index, batch.X, batch.y, batch.sample_weight)

@@ -18,10 +18,9 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import closing
 from typing import Any
 
-from ..exceptions import StreamError
 from .chunks import ChunkGraph
 from .graphs import DataNode, compute_keys
-from .items import ChunkItem
+from .items import ChunkItem, chunk_error
 
 Key = Any
 
@@ -81,7 +80,9 @@ def iter_local(graph: ChunkGraph, lookahead: int) -> Iterator[ChunkItem]:
     Raises
     ------
     StreamError
-        When computing a chunk fails (naming the chunk; the cause is chained).
+        When computing a chunk fails (naming the chunk; the cause is chained):
+        a :class:`~rh_dask.exceptions.BadChunkError` when the failure is a
+        validation refusal (see :func:`~.items.chunk_error`).
     """
     n = graph.n_chunks
     threads = max(1, min(lookahead, os.cpu_count() or 1))
@@ -98,9 +99,7 @@ def iter_local(graph: ChunkGraph, lookahead: int) -> Iterator[ChunkItem]:
             try:
                 item, _ = jobs.pop(i).result()
             except Exception as exc:
-                raise StreamError(
-                    f"chunk {i} could not be loaded: {type(exc).__name__}: {exc}", i
-                ) from exc
+                raise chunk_error(i, exc) from exc
             shared.release_after(i)
             yield item
     finally:
