@@ -57,6 +57,12 @@ class HuberState:
             fit_intercept=bool(fit_intercept),
         )
 
+    @staticmethod
+    def shapes(n_features: int, fit_intercept: bool) -> tuple[tuple[int], tuple[int, int]]:
+        """Shapes of ``coefficients`` and ``information`` for ``n_features`` features."""
+        p = int(n_features) + int(bool(fit_intercept))
+        return (p,), (p, p)
+
     @property
     def n_params(self) -> int:
         return self.n_features_in + int(self.fit_intercept)
@@ -98,9 +104,10 @@ class HuberState:
         info = np.asarray(self.information)
         if self.n_features_in < 1:
             raise ValidationError(f"state has n_features_in={self.n_features_in}, need >= 1")
-        if beta.shape != (p,):
+        coef_shape, info_shape = self.shapes(self.n_features_in, self.fit_intercept)
+        if beta.shape != coef_shape:
             raise ValidationError(f"state coefficients have shape {beta.shape}, expected ({p},)")
-        if info.shape != (p, p):
+        if info.shape != info_shape:
             raise ValidationError(f"state information has shape {info.shape}, expected ({p}, {p})")
         for name, arr in (("coefficients", beta), ("information", info)):
             if arr.dtype.kind != "f":

@@ -356,3 +356,142 @@ def test_load_reads_with_allow_pickle_false(saved, monkeypatch):
     monkeypatch.setattr(np, "load", spy)
     load_checkpoint(path)
     assert calls == [False]
+
+
+# -- declared sizes are checked before anything is allocated -----------------------------
+
+
+def _forge_member(path: Path, out: Path, member: str, shape: tuple[int, ...]) -> Path:
+    """Copy the archive, giving ``member``'s .npy header another ``shape`` (data kept)."""
+    import zipfile
+
+    with zipfile.ZipFile(path) as archive:
+        contents = {name: archive.read(name) for name in archive.namelist()}
+    raw = io.BytesIO(contents[f"{member}.npy"])
+    assert np.lib.format.read_magic(raw) == (1, 0)  # what np.savez writes here
+    _, fortran, dtype = np.lib.format.read_array_header_1_0(raw)
+    data = raw.read()
+    forged = io.BytesIO()
+    np.lib.format.write_array_header_1_0(
+        forged,
+        {"descr": np.lib.format.dtype_to_descr(dtype), "fortran_order": fortran, "shape": shape},
+    )
+    contents[f"{member}.npy"] = forged.getvalue() + data
+    with zipfile.ZipFile(out, "w") as archive:
+        for name, blob in contents.items():
+            archive.writestr(name, blob)
+    return out
+
+
+@pytest.mark.parametrize(
+    ("member", "shape"),
+    [
+        ("information", (10**6, 10**6)),
+        ("coefficients", (10**12,)),
+        ("feature_names", (10**12,)),
+        ("metadata", (10**12,)),
+    ],
+)
+def test_a_forged_huge_shape_is_refused_before_allocating(saved, tmp_path, member, shape):
+    path, _ = saved
+    forged = _forge_member(path, tmp_path / "huge.npz", member, shape)
+    with pytest.raises(CheckpointError, match=r"huge\.npz") as caught:
+        load_checkpoint(forged)
+    assert "bytes" in str(caught.value) or "JSON" in str(caught.value)
+
+
+def test_a_forged_shape_matching_forged_metadata_is_refused_by_the_file_size(saved, tmp_path):
+    path, _ = saved
+
+    def enlarge(record, arrays):
+        record["counters"]["n_features_in"] = 10**6 - 1
+
+    bigger = _rewrite(path, tmp_path / "meta.npz", enlarge)
+    forged = _forge_member(bigger, tmp_path / "both.npz", "information", (10**6, 10**6))
+    forged = _forge_member(forged, tmp_path / "all.npz", "coefficients", (10**6,))
+    with pytest.raises(CheckpointError, match=r"all\.npz is inconsistent.*bytes"):
+        load_checkpoint(forged)
+
+
+def test_rh_dask_info_reports_a_forged_checkpoint_as_bad_input(saved, tmp_path, capsys):
+    from rh_dask.cli import main
+
+    path, _ = saved
+    forged = _forge_member(path, tmp_path / "huge.npz", "information", (10**6, 10**6))
+    assert main(["info", str(forged)]) == 3
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("rh-dask: error:") and "huge.npz" in err[0]
+
+
+def test_an_array_whose_shape_disagrees_with_the_metadata_is_refused(saved, tmp_path):
+    path, _ = saved
+    # Same bytes, other shape: p = 6 parameters, declared as 3 x 12.
+    forged = _forge_member(path, tmp_path / "reshaped.npz", "information", (3, 12))
+    with pytest.raises(CheckpointError, match=r"information .* the metadata says"):
+        load_checkpoint(forged)
+
+
+def test_an_unknown_engine_name_is_a_checkpoint_error(saved, tmp_path):
+    _, model = saved
+    path = save_checkpoint(
+        tmp_path / "tpu.npz", Checkpoint(HuberConfig(), model.state_, None, "tpu")
+    )
+    with pytest.raises(CheckpointError, match=r"inconsistent: unknown engine 'tpu'"):
+        load_checkpoint(path)
+    with pytest.raises(CheckpointError, match="unknown engine"):
+        RenewableHuberRegressor.load(path)
+
+
+# -- a failed save changes nothing on disk --------------------------------------------------
+
+
+def _half_then_full(self, data):
+    """A writer that dies half-way, as on a full disk."""
+    with open(self, "wb") as fh:
+        fh.write(data[: len(data) // 2])
+    raise OSError(28, "No space left on device")
+
+
+def _listing(directory: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(directory.iterdir())}
+
+
+@pytest.mark.parametrize("failure", ["write", "replace"])
+def test_a_failed_save_leaves_no_temporary_file_and_the_old_checkpoint(
+    saved, stream, monkeypatch, failure
+):
+    import os
+
+    path, model = saved
+    before = _listing(path.parent)
+    model.partial_fit(*stream.batches(SIZES)[SPLIT])  # something new to save
+    if failure == "write":
+        monkeypatch.setattr(Path, "write_bytes", _half_then_full)
+    else:
+
+        def refuse(src, dst):
+            raise PermissionError(13, "Permission denied")
+
+        monkeypatch.setattr(os, "replace", refuse)
+    with pytest.raises(OSError, match=r"No space left|Permission denied"):
+        model.save(path)
+    monkeypatch.undo()
+    assert _listing(path.parent) == before
+    assert load_checkpoint(path).state.batch_count == SPLIT
+
+
+def test_saving_into_a_read_only_directory_fails_cleanly(saved, tmp_path):
+    import os
+
+    if os.geteuid() == 0:
+        pytest.skip("root writes into read-only directories")
+    _, model = saved
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    locked.chmod(0o500)
+    try:
+        with pytest.raises(PermissionError):
+            model.save(locked / "m.npz")
+        assert list(locked.iterdir()) == []
+    finally:
+        locked.chmod(0o700)
