@@ -9,11 +9,15 @@ them, which check them on their device.
 
 from __future__ import annotations
 
+import sys
 import warnings
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+from pandas import CategoricalDtype
+from pandas.api.types import is_numeric_dtype
+from sklearn.exceptions import DataConversionWarning
 from sklearn.utils import assert_all_finite, check_array
 
 from .exceptions import InputTypeError, ValidationError
@@ -108,6 +112,81 @@ def check_feature_names(
     raise ValidationError(message)
 
 
+def _caller_stacklevel() -> int:
+    """The ``stacklevel`` of the first frame outside rh-dask (the user's call)."""
+    frame = sys._getframe(1)
+    level = 1
+    while frame is not None and frame.f_globals.get("__name__", "").startswith("rh_dask"):
+        frame = frame.f_back
+        level += 1
+    return level
+
+
+def warn_column_vector(name: str = "y") -> None:
+    """Warn, as scikit-learn does, that a column vector ``name`` is raveled."""
+    warnings.warn(
+        f"A column-vector {name} was passed when a 1d array was expected. Please change "
+        f"the shape of {name} to (n_samples, ), for example using ravel().",
+        DataConversionWarning,
+        stacklevel=_caller_stacklevel(),
+    )
+
+
+def ravel_column_vector(y: Any, name: str = "y") -> Any:
+    """``y`` of shape (n, 1) raveled, with scikit-learn's warning; any other ``y`` as it is.
+
+    For in-memory targets (NumPy, pandas, lists, CUDA arrays); shapes other
+    than (n, 1) are left for validation to accept or refuse.
+    """
+    if y is None or isinstance(y, str) or np.isscalar(y):
+        return y
+    shape = getattr(y, "shape", None)
+    if shape is None:
+        try:
+            shape = np.shape(y)
+        except ValueError:  # ragged nested sequences: validation names the problem
+            return y
+    if len(shape) != 2 or shape[1] != 1:
+        return y
+    warn_column_vector(name)
+    if hasattr(y, "iloc"):
+        return y.iloc[:, 0]
+    if is_device_array(y):
+        return y.reshape(-1)
+    return np.asarray(y).reshape(-1)
+
+
+def _column_dtype_error(value: Any, name: str, dtype: np.dtype) -> InputTypeError | None:
+    """Name the pandas column (and its dtype) that cannot be converted to numbers.
+
+    Numeric columns pass; a categorical, string or object column is converted
+    as scikit-learn's ``check_array`` converts it (by its values: numeric
+    categories and numeric strings become numbers), and the first one that
+    fails is reported. ``None`` when ``value`` is not pandas or no single
+    column fails.
+    """
+    if hasattr(value, "columns") and hasattr(value, "dtypes"):
+        columns = [(f"column {c!r} of {name}", value[c]) for c in value.columns]
+    elif hasattr(value, "dtype") and hasattr(value, "index") and hasattr(value, "to_numpy"):
+        columns = [(name, value)]
+    else:
+        return None
+    for label, column in columns:
+        col_dtype = getattr(column, "dtype", None)
+        if col_dtype is None or getattr(column, "ndim", 1) != 1:
+            continue  # duplicated column names give a frame here; check_array's message stands
+        if is_numeric_dtype(col_dtype) and not isinstance(col_dtype, CategoricalDtype):
+            continue
+        try:
+            np.asarray(column, dtype=dtype)
+        except (TypeError, ValueError) as exc:
+            return InputTypeError(
+                f"{label} has dtype {col_dtype} and cannot be converted to numbers: {exc}. "
+                "Encode it as numbers first (e.g. one-hot or ordinal codes) or leave it out"
+            )
+    return None
+
+
 def _as_host_array(
     value: Any, name: str, dtype: np.dtype, *, two_d: bool, finite: bool = True
 ) -> np.ndarray:
@@ -131,31 +210,38 @@ def _as_host_array(
                 raise ValidationError(f"{name}: {exc}") from exc
         return value
     try:
-        with warnings.catch_warnings():
-            # A column vector y is an error here, not a warning.
-            warnings.simplefilter("error", category=UserWarning)
-            arr = check_array(
-                value,
-                dtype=dtype,
-                order="C",
-                ensure_2d=two_d,
-                ensure_all_finite=finite,
-                ensure_min_samples=1 if two_d else 0,
-                ensure_min_features=1,
-                accept_sparse=False,
-                input_name=name,
-            )
+        arr = check_array(
+            value,
+            dtype=dtype,
+            order="C",
+            ensure_2d=two_d,
+            ensure_all_finite=finite,
+            ensure_min_samples=1 if two_d else 0,
+            ensure_min_features=1,
+            accept_sparse=False,
+            input_name=name,
+        )
     except ValidationError:
         raise
-    except TypeError as exc:
-        raise InputTypeError(f"{name}: {exc}") from exc
-    except ValueError as exc:
-        raise ValidationError(f"{name}: {exc}") from exc
+    except (TypeError, ValueError) as exc:
+        named = _column_dtype_error(value, name, dtype)
+        if named is not None:
+            raise named from exc
+        kind = InputTypeError if isinstance(exc, TypeError) else ValidationError
+        raise kind(f"{name}: {exc}") from exc
+    if not two_d and arr.ndim == 2 and arr.shape[1] == 1 and name == "y":
+        # scikit-learn's convention for a single-output target: ravel, with a warning.
+        warn_column_vector(name)
+        return np.ascontiguousarray(arr.reshape(-1))
     if not two_d and arr.ndim != 1:
-        if arr.ndim == 2 and arr.shape[1] == 1:
-            hint = " (only single-output regression is supported)" if name == "y" else ""
+        if name == "y" and arr.ndim == 2:
             raise ValidationError(
-                f"{name} must be 1-D, got shape {arr.shape}; pass {name}.ravel(){hint}"
+                f"y must be 1-D, got shape {arr.shape} (only single-output regression "
+                "is supported)"
+            )
+        if arr.ndim == 2 and arr.shape[1] == 1:
+            raise ValidationError(
+                f"{name} must be 1-D, got shape {arr.shape}; pass {name}.ravel()"
             )
         raise ValidationError(f"{name} must be 1-D, got shape {arr.shape}")
     return arr
@@ -255,7 +341,7 @@ def validate_batch(
                 f"X has {X.shape[1]} features, but {owner} is expecting {n_features} "
                 "features as input."
             )
-        return Batch(X, y, sample_weight, None)
+        return Batch(X, ravel_column_vector(y), sample_weight, None)
     X_arr, names = validate_features(
         X,
         dtype=dtype,

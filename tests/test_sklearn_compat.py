@@ -7,6 +7,7 @@ import pickle
 import numpy as np
 import pytest
 from sklearn.base import clone
+from sklearn.exceptions import DataConversionWarning
 from sklearn.model_selection import GridSearchCV, KFold
 from sklearn.pipeline import Pipeline
 from sklearn.preprocessing import StandardScaler
@@ -15,31 +16,18 @@ from sklearn.utils.estimator_checks import parametrize_with_checks
 from rh_dask import RenewableHuberRegressor, ValidationError
 
 
-def _expected_failed_checks(estimator):
-    """Checks whose expectation contradicts rh-dask's validation contract (issue item 5).
-
-    * check_supervised_y_2d: scikit-learn expects a column-vector y to be
-      accepted with a DataConversionWarning. rh-dask is single-output and
-      refuses any 2-D y with a ValidationError that says to ravel it: a
-      silently flattened (n, 1) target in a stream usually means a
-      mis-assembled batch.
-    """
-    return {
-        "check_supervised_y_2d": "a 2-D y is refused by design (ValidationError), not ravelled",
-    }
-
-
-@parametrize_with_checks(
-    [RenewableHuberRegressor()], expected_failed_checks=_expected_failed_checks
-)
+@parametrize_with_checks([RenewableHuberRegressor()])
 def test_sklearn_estimator_checks(estimator, check):
     check(estimator)
 
 
-def test_expected_failures_are_really_the_documented_behaviour(make_stream):
+def test_column_vector_y_is_raveled_and_other_2d_y_refused(make_stream):
     s = make_stream(30, 2)
-    with pytest.raises(ValidationError, match="y must be 1-D"):
-        RenewableHuberRegressor().fit(s.X, s.y[:, None])
+    with pytest.warns(DataConversionWarning, match="A column-vector y was passed"):
+        column = RenewableHuberRegressor().fit(s.X, s.y[:, None])
+    assert column.state_.equals(RenewableHuberRegressor().fit(s.X, s.y).state_)
+    with pytest.raises(ValidationError, match="single-output"):
+        RenewableHuberRegressor().fit(s.X, np.c_[s.y, s.y])
     X = s.X.astype(object)
     X[0, 0] = {"foo": "bar"}
     with pytest.raises(ValidationError, match="argument must be a string or a real number"):

@@ -17,6 +17,7 @@ from devices import gpu_usable
 
 from rh_dask import (
     EngineUnavailableError,
+    InputTypeError,
     RenewableHuberRegressor,
     ValidationError,
 )
@@ -68,7 +69,6 @@ BAD_BATCHES = {
     ),
     "one_dimensional_X": (lambda X, y, w: (X[:, 0], y, w), r"Expected 2D array, got 1D"),
     "three_dimensional_X": (lambda X, y, w: (X[:, :, None], y, w), r"X.*dim 3"),
-    "column_vector_y": (lambda X, y, w: (X, y[:, None], w), r"y must be 1-D"),
     "two_column_y": (lambda X, y, w: (X, np.c_[y, y], w), r"y must be 1-D"),
     "y_is_None": (lambda X, y, w: (X, None, w), r"requires y to be passed"),
     "length_mismatch": (
@@ -409,3 +409,75 @@ def test_memory_mapped_chunks_pass_as_views_and_are_still_checked(tmp_path):
     # cast when the file's dtype is not the stream's
     batch = validate_batch(mapped[4:12], y, dtype="float64")
     assert batch.X.dtype == np.float64 and not np.shares_memory(batch.X, mapped)
+
+
+# -- non-numeric pandas columns ------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("column", "dtype_text"),
+    [
+        (pd.Categorical(["x", "y"] * 60), "category"),
+        (pd.array(["x", "y"] * 60, dtype="string"), "str|string"),
+        (np.array(["x", "y"] * 60, dtype=object), "object|str"),
+    ],
+    ids=["categorical", "string", "object"],
+)
+@pytest.mark.filterwarnings("ignore:X has feature names")
+def test_a_non_numeric_column_is_named_with_its_dtype(
+    column, dtype_text, stream, midstream, snapshot, assert_unchanged
+):
+    X, y, w = stream.batches([120, 80, 40])[0]
+    frame = pd.DataFrame(X, columns=[f"f{j}" for j in range(N_FEATURES)])
+    frame["colour"] = column
+    model = RenewableHuberRegressor()
+    with pytest.raises(
+        InputTypeError, match=rf"column 'colour' of X has dtype ({dtype_text})"
+    ) as e:
+        model.fit(frame, y, w)
+    assert "could not convert string to float: 'x'" in str(e.value)
+    assert isinstance(e.value, ValueError) and isinstance(e.value, TypeError)
+    assert not hasattr(model, "n_features_in_")
+    # A fitted model keeps its stream when the next batch has such a column.
+    before = snapshot(midstream)
+    with pytest.raises(InputTypeError, match="column 'colour'"):
+        midstream.partial_fit(frame.drop(columns="f0"), y, w)
+    assert_unchanged(before, snapshot(midstream))
+
+
+def test_a_categorical_target_is_named(stream):
+    X = stream.batches([120, 120])[0][0]
+    target = pd.Series(pd.Categorical(["low", "high"] * 60), name="grade")
+    with pytest.raises(InputTypeError, match=r"^y has dtype category and cannot be converted"):
+        RenewableHuberRegressor().fit(X, target)
+
+
+def test_numeric_categories_and_strings_convert_as_in_scikit_learn(stream):
+    # check_array converts a categorical by its values (not its codes) and
+    # numeric strings to numbers; so does the estimator.
+    from sklearn.utils import check_array
+
+    X, y, _ = stream.batches([120, 120])[0]
+    frame = pd.DataFrame(X[:, :2], columns=["a", "b"])
+    frame["level"] = pd.Categorical(np.tile([10.0, 20.0, 40.0], 40))
+    frame["count"] = np.tile(["1", "2", "3"], 40).astype(object)
+    expected = check_array(frame, dtype=np.float64)
+    assert expected[:3, 2].tolist() == [10.0, 20.0, 40.0]
+    batch = validate_batch(frame, y, dtype="float64")
+    np.testing.assert_array_equal(batch.X, expected)
+    model = RenewableHuberRegressor().fit(frame, y)
+    reference = RenewableHuberRegressor().fit(pd.DataFrame(expected, columns=frame.columns), y)
+    assert model.state_.equals(reference.state_)
+
+
+def test_a_column_vector_y_passes_validation_raveled_with_a_warning(stream):
+    from sklearn.exceptions import DataConversionWarning
+
+    X, y, w = stream.batches([120, 120])[0]
+    with pytest.warns(DataConversionWarning, match="A column-vector y was passed"):
+        batch = validate_batch(X, y[:, None], w, dtype="float64")
+    assert batch.y.shape == (120,) and batch.y.flags.c_contiguous
+    np.testing.assert_array_equal(batch.y, y)
+    # Weights have no such convention: a column of weights is refused.
+    with pytest.raises(ValidationError, match=r"sample_weight must be 1-D"):
+        validate_batch(X, y, w[:, None], dtype="float64")
