@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
 import numpy as np
@@ -22,7 +24,13 @@ from .config import HuberConfig
 from .engines import Engine, make_engine, resolve_engine_name
 from .exceptions import NotFittedError, ValidationError
 from .state import BatchDiagnostics, HuberState
-from .validation import Batch, is_device_array, validate_batch, validate_features
+from .validation import (
+    Batch,
+    is_device_array,
+    ravel_column_vector,
+    validate_batch,
+    validate_features,
+)
 
 __all__ = ["HISTORY_COLUMNS", "RenewableHuberRegressor"]
 
@@ -46,6 +54,10 @@ def _is_dask_collection(obj: Any) -> bool:
     except ImportError:  # pragma: no cover - dask is a hard dependency
         return False
     return is_dask_collection(obj)
+
+
+def _nothing() -> None:
+    """The undo of a step that changed nothing."""
 
 
 def _float64_copy(beta: Any) -> np.ndarray:
@@ -242,6 +254,11 @@ class RenewableHuberRegressor(RegressorMixin, BaseEstimator):
         engine = getattr(self, "_engine", None)
         if engine is not None:
             engine.reset()
+        self._forget_stream()
+        return self
+
+    def _forget_stream(self) -> None:
+        """Drop every attribute of the stream; the engine is left as it is."""
         self._pending_state = None
         for name in (
             "n_features_in_",
@@ -256,19 +273,23 @@ class RenewableHuberRegressor(RegressorMixin, BaseEstimator):
             "_placement",
         ):
             self.__dict__.pop(name, None)
-        return self
 
     def fit(self, X: Any, y: Any, sample_weight: Any | None = None) -> RenewableHuberRegressor:
         """Reset, then consume ``X`` as the stream.
 
         In-memory ``X`` is one batch. A Dask array or DataFrame is walked chunk
         by chunk in order (each row chunk or partition one batch), see
-        :mod:`rh_dask.distributed`.
+        :mod:`rh_dask.distributed`. The current stream is forgotten only once
+        the new one has consumed its first batch: a ``fit`` refused before
+        that (bad parameters or data, an engine that cannot start, a first
+        chunk that fails) leaves the model exactly as it was.
 
         Parameters
         ----------
         X : array-like of shape (n_samples, n_features), or a Dask collection
         y : array-like of shape (n_samples,), or a Dask collection
+            A column vector of shape (n_samples, 1) is raveled with a
+            :class:`~sklearn.exceptions.DataConversionWarning`.
         sample_weight : array-like of shape (n_samples,), default=None
             Frequency weights.
 
@@ -277,10 +298,9 @@ class RenewableHuberRegressor(RegressorMixin, BaseEstimator):
         self
         """
         if any(_is_dask_collection(a) for a in (X, y, sample_weight)):
-            self.reset()
-            return self.partial_fit(X, y, sample_weight=sample_weight)
-        # Validate X as the first batch of a new stream *before* forgetting the
-        # current one: a fit that fails validation leaves the model as it was.
+            from .distributed import stream_fit
+
+            return stream_fit(self, X, y, sample_weight, fresh=True)
         config = self._make_config()
         name = resolve_engine_name(self.engine, self.device)
         batch = validate_batch(
@@ -291,8 +311,7 @@ class RenewableHuberRegressor(RegressorMixin, BaseEstimator):
             accept_device=name == "gpu",
             owner=type(self).__name__,
         )
-        self.reset()
-        self._consume(batch, config, name)
+        self._consume(batch, config, name, fresh=True)
         return self
 
     def partial_fit(
@@ -326,12 +345,11 @@ class RenewableHuberRegressor(RegressorMixin, BaseEstimator):
         self._consume(batch, config, name)
         return self
 
-    def _consume(self, batch: Batch, config: HuberConfig, name: str) -> None:
+    def _consume(self, batch: Batch, config: HuberConfig, name: str, fresh: bool = False) -> None:
         """One validated batch through the stream's engine, then into the attributes."""
-        engine = self._engine_for(config, name)
-        start = time.perf_counter()
-        diagnostics = engine.partial_fit(batch.X, batch.y, batch.sample_weight)
-        seconds = time.perf_counter() - start
+        engine, diagnostics, seconds = self._fit_batch(
+            batch.X, batch.y, batch.sample_weight, config, name, fresh=fresh
+        )
         self._record_batch(
             engine,
             config,
@@ -341,6 +359,77 @@ class RenewableHuberRegressor(RegressorMixin, BaseEstimator):
             rows=int(batch.X.shape[0]),
             seconds=seconds,
         )
+
+    def _fit_batch(
+        self,
+        X: Any,
+        y: Any,
+        sample_weight: Any | None,
+        config: HuberConfig,
+        name: str,
+        *,
+        fresh: bool = False,
+        limit: Callable[[], AbstractContextManager[Any]] = nullcontext,
+    ) -> tuple[Engine, BatchDiagnostics, float]:
+        """Advance the stream by one batch, or change nothing at all.
+
+        ``fresh`` starts a new stream with the batch (``fit``). The model's
+        current stream, its attributes and its engine are given up only once
+        the engine has consumed the batch: when creating the engine or the
+        batch fails, the model (and its engine's state) is as it was. Returns
+        the engine, the batch's diagnostics and the engine's seconds; the
+        caller records the batch (:meth:`_record_batch`).
+        """
+        if fresh or not hasattr(self, "n_features_in_"):
+            engine, undo = self._new_stream_engine(config, name)
+        else:
+            engine, undo = self._continuing_engine()
+        start = time.perf_counter()
+        try:
+            with limit():
+                diagnostics = engine.partial_fit(X, y, sample_weight)
+        except BaseException:
+            undo()
+            raise
+        seconds = time.perf_counter() - start
+        if fresh or not hasattr(self, "n_features_in_"):
+            self._forget_stream()
+        self._engine = engine
+        self._pending_state = None
+        return engine, diagnostics, seconds
+
+    def _new_stream_engine(
+        self, config: HuberConfig, name: str
+    ) -> tuple[Engine, Callable[[], None]]:
+        """An engine at the empty state for a new stream, and how to undo taking it.
+
+        The model's engine is reused (its workspaces, a GPU context) when its
+        configuration and name fit; the stream it holds is kept aside so that
+        a failing first batch puts it back. Otherwise a new engine is made,
+        and only kept once it has consumed the batch.
+        """
+        engine = getattr(self, "_engine", None)
+        if engine is None or engine.config != config or engine.name != name:
+            return make_engine(name, config, self.device), _nothing
+        held = engine.export_state() if engine.n_features_in is not None else None
+        engine.reset()
+
+        def undo() -> None:
+            if held is None:
+                engine.reset()
+            else:
+                engine.import_state(held)
+
+        return engine, undo
+
+    def _continuing_engine(self) -> tuple[Engine, Callable[[], None]]:
+        """The engine of the stream under way (a restored stream gets one, kept on success)."""
+        engine = getattr(self, "_engine", None)
+        if engine is not None:
+            return engine, _nothing
+        engine = make_engine(self.engine_, self._config, self.device)
+        engine.import_state(self._pending_state)
+        return engine, _nothing
 
     def _check_stream_config(self, config: HuberConfig) -> None:
         """Refuse parameters that changed while a stream is under way."""
@@ -360,16 +449,6 @@ class RenewableHuberRegressor(RegressorMixin, BaseEstimator):
                 f"{self.engine_!r} engine; move it with save() and load(path, engine=...), "
                 "or call reset() or fit() to start a new stream"
             )
-
-    def _engine_for(self, config: HuberConfig, name: str) -> Engine:
-        """The stream's engine; a new one when none fits ``config`` and ``name``."""
-        if hasattr(self, "n_features_in_"):
-            return self._stream_engine()
-        engine = getattr(self, "_engine", None)
-        if engine is None or engine.config != config or engine.name != name:
-            engine = make_engine(name, config, self.device)
-            self._engine = engine
-        return engine
 
     def _record_batch(
         self,
@@ -459,15 +538,21 @@ class RenewableHuberRegressor(RegressorMixin, BaseEstimator):
         feature_names: np.ndarray | None,
         records: list[tuple[int, int, BatchDiagnostics, float, float, np.ndarray]],
         placement: dict[str, Any] | None = None,
+        *,
+        fresh: bool = False,
     ) -> None:
         """Take over the state a remote engine reached (see :mod:`rh_dask.distributed`).
 
         ``records`` are ``(chunk, rows, diagnostics, seconds, wait_seconds, coefficients)``
         of the batches that led there, in order; ``placement`` is where that
-        engine ran (``placement_``).
+        engine ran (``placement_``). ``fresh``: the remote stream started from
+        the empty state (``fit``), so the model's current stream is forgotten
+        first. Without records nothing changes.
         """
         if not records:
             return
+        if fresh:
+            self._forget_stream()
         engine = getattr(self, "_engine", None)
         if engine is not None and engine.config == config and engine.name == engine_name:
             engine.import_state(state)  # keeps the local engine's workspaces
@@ -488,7 +573,7 @@ class RenewableHuberRegressor(RegressorMixin, BaseEstimator):
     def history_(self) -> pd.DataFrame:
         """Per-batch history since the last reset (see the class docstring)."""
         self._require_fitted()
-        frame = pd.DataFrame(self._history_rows(), columns=list(HISTORY_COLUMNS))
+        frame = pd.DataFrame(self.__dict__.get("_history", []), columns=list(HISTORY_COLUMNS))
         return frame.astype(dict(zip(HISTORY_COLUMNS, _HISTORY_DTYPES, strict=True)))
 
     @property
@@ -496,7 +581,7 @@ class RenewableHuberRegressor(RegressorMixin, BaseEstimator):
         """β after each batch since the last reset, shape (n_batches, n_params), float64."""
         self._require_fitted()
         n_params = self.n_features_in_ + int(self._config.fit_intercept)
-        rows = self._coef_rows()
+        rows = self.__dict__.get("_coef_history", [])
         if not rows:
             return np.empty((0, n_params), dtype=np.float64)
         return np.stack(rows)
@@ -593,12 +678,17 @@ class RenewableHuberRegressor(RegressorMixin, BaseEstimator):
         return out
 
     def score(self, X: Any, y: Any, sample_weight: Any | None = None) -> float:
-        """Coefficient of determination R² (weighted when ``sample_weight`` is given)."""
+        """Coefficient of determination R² (weighted when ``sample_weight`` is given).
+
+        A column vector ``y`` of shape (n_samples, 1) is raveled with a
+        :class:`~sklearn.exceptions.DataConversionWarning`, as in :meth:`fit`.
+        """
         if _is_dask_collection(X) or _is_dask_collection(y):
             from .distributed import score_dask
+            from .distributed.fit import column_vector_target
 
-            return score_dask(self, X, y, sample_weight)
-        return super().score(X, y, sample_weight=sample_weight)
+            return score_dask(self, X, column_vector_target(y), sample_weight)
+        return super().score(X, ravel_column_vector(y), sample_weight=sample_weight)
 
     # -- persistence ---------------------------------------------------------------
     def save(self, path: str | os.PathLike[str]) -> os.PathLike[str]:

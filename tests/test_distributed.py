@@ -26,7 +26,7 @@ import pytest
 from distributed import Client, LocalCluster, Nanny, Scheduler, SpecCluster
 from threadpoolctl import threadpool_limits
 
-from rh_dask import RenewableHuberRegressor, StreamError, ValidationError
+from rh_dask import BadChunkError, RenewableHuberRegressor, StreamError, ValidationError
 from rh_dask.distributed import ActorLostError, release_engines
 from rh_dask.distributed.consumer import STREAM_BLAS_THREADS
 from rh_dask.exceptions import EngineUnavailableError
@@ -194,8 +194,13 @@ def test_persisted_inputs_and_a_client_routed_through_the_scheduler(
             model = RenewableHuberRegressor(progress=False).fit(Xd, yd)
             # Persisted chunks live in the cluster: the actor cannot compute them alone.
             assert model.placement_["loader"] in ("engine-worker", "cluster")
-            with pytest.raises(ValueError, match=r"loader='actor'.*persisted"):
-                RenewableHuberRegressor(loader="actor", progress=False).fit(Xd, yd)
+            before = snapshot(model)
+            model.set_params(loader="actor")
+            for method in (model.fit, model.partial_fit):
+                with pytest.raises(ValidationError, match=r"loader='actor'.*persisted"):
+                    method(Xd, yd)
+                assert_unchanged(before, snapshot(model))
+            model.set_params(loader="auto")
     _same(model, _loop(_row_blocks(X, y, None, [500] * 4)), assert_unchanged, snapshot)
 
 
@@ -264,7 +269,7 @@ def test_dataframe_partition_with_wrong_names_is_refused(client):
     meta = pd.DataFrame({"a": [], "b": [], "y": []}, dtype=float)
     ddf = dd.from_map(part, range(4), meta=meta)
     model = RenewableHuberRegressor(progress=False)
-    with pytest.raises(StreamError, match="chunk 2") as info:
+    with pytest.raises(BadChunkError, match="chunk 2") as info:
         model.fit(ddf, "y")
     assert info.value.chunk_index == 2
     assert model.history_["chunk"].tolist() == [0, 1]
@@ -297,10 +302,13 @@ def test_bad_chunk_stops_in_front_of_it_then_partial_fit_continues(
     bad = X.copy()
     bad[1_234, 2] = np.nan  # inside chunk 2 of 500-row chunks
     model = RenewableHuberRegressor(loader=loader, lookahead=4, progress=False)
-    with pytest.raises(StreamError, match="chunk 2") as info:
+    with pytest.raises(BadChunkError, match="chunk 2 was refused") as info:
         model.fit(da.from_array(bad, chunks=(500, 5)), da.from_array(y, chunks=500))
     assert info.value.chunk_index == 2
     assert "NaN" in str(info.value)
+    # Bad data in a stream is a ValueError, as bad data in memory is.
+    assert isinstance(info.value, ValidationError) and isinstance(info.value, ValueError)
+    assert isinstance(info.value, StreamError)
     blocks = _row_blocks(X, y, None, [500] * 6)
     _same(model, _loop(blocks[:2]), assert_unchanged, snapshot)
     # The stream continues from the last good chunk.
@@ -319,9 +327,54 @@ def test_failing_task_names_the_chunk(client, snapshot, assert_unchanged, loader
     X, y, _ = _data(n=3_000, seed=11)
     Xd = da.from_array(X, chunks=(500, 5)).map_blocks(_fail_chunk_3, dtype=X.dtype)
     model = RenewableHuberRegressor(progress=False, loader=loader)
-    with pytest.raises(StreamError, match=r"chunk 3 could not be loaded.*disk on fire"):
+    with pytest.raises(StreamError, match=r"chunk 3 could not be loaded.*disk on fire") as info:
         model.fit(Xd, da.from_array(y, chunks=500))
+    # A failing task is not bad data: a plain StreamError, not a ValueError.
+    assert type(info.value) is StreamError and not isinstance(info.value, ValueError)
+    assert info.value.chunk_index == 3
     _same(model, _loop(_row_blocks(X, y, None, [500] * 3)), assert_unchanged, snapshot)
+
+
+def _refuse_chunk_1(block, block_info=None):
+    if block_info[0]["chunk-location"][0] == 1:
+        raise ValidationError("chunk 1 holds a sensor fault")
+    return block
+
+
+@pytest.mark.parametrize("loader", ["actor", "engine-worker", "cluster"])
+def test_a_task_refusing_its_data_is_a_bad_chunk(client, snapshot, assert_unchanged, loader):
+    X, y, _ = _data(n=1_500, seed=28)
+    Xd = da.from_array(X, chunks=(500, 5)).map_blocks(_refuse_chunk_1, dtype=X.dtype)
+    model = RenewableHuberRegressor(progress=False, loader=loader)
+    with pytest.raises(BadChunkError, match="sensor fault") as info:
+        model.fit(Xd, da.from_array(y, chunks=500))
+    assert info.value.chunk_index == 1
+    _same(model, _loop(_row_blocks(X, y, None, [500])), assert_unchanged, snapshot)
+
+
+@pytest.mark.parametrize("loader", ["actor", "cluster"])
+def test_a_refused_fit_on_the_cluster_keeps_the_fitted_model(
+    client, snapshot, assert_unchanged, loader
+):
+    X, y, _ = _data(n=2_000, seed=29)
+    model = RenewableHuberRegressor(progress=False, loader=loader)
+    model.fit(da.from_array(X, chunks=(500, 5)), da.from_array(y, 500))
+    before = snapshot(model)
+    history = model.history_.copy()
+    placement = model.placement_
+    bad = X.copy()
+    bad[100, 0] = np.nan  # chunk 0: the new stream consumes nothing
+    refusals = [
+        (da.from_array(X, chunks=(500, 5)), da.from_array(y[:-1], 500), ValidationError),
+        (da.from_array(bad, chunks=(500, 5)), da.from_array(y, 500), BadChunkError),
+    ]
+    for Xd, yd, error in refusals:
+        with pytest.raises(error):
+            model.fit(Xd, yd)
+        assert_unchanged(before, snapshot(model))
+        pd.testing.assert_frame_equal(model.history_, history)
+        assert model.placement_ == placement
+        assert model.n_empty_chunks_ == 0
 
 
 def test_wrong_width_is_refused_upfront(client):
@@ -581,10 +634,60 @@ def test_no_client_bad_chunk(snapshot, assert_unchanged):
     bad = X.copy()
     bad[1_600, 0] = np.inf
     model = RenewableHuberRegressor(progress=False)
-    with pytest.raises(StreamError, match="chunk 3") as info:
+    with pytest.raises(BadChunkError, match="chunk 3") as info:
         model.fit(da.from_array(bad, chunks=(500, 5)), da.from_array(y, 500))
     assert info.value.chunk_index == 3
+    assert isinstance(info.value, ValueError)
     _same(model, _loop(_row_blocks(X, y, None, [500] * 3)), assert_unchanged, snapshot)
+
+
+def test_no_client_failing_task_and_refusing_task(snapshot, assert_unchanged):
+    X, y, _ = _data(n=3_000, seed=30)
+    failing = da.from_array(X, chunks=(500, 5)).map_blocks(_fail_chunk_3, dtype=X.dtype)
+    model = RenewableHuberRegressor(progress=False)
+    with pytest.raises(StreamError, match="chunk 3 could not be loaded") as info:
+        model.fit(failing, da.from_array(y, 500))
+    assert type(info.value) is StreamError
+    refusing = da.from_array(X, chunks=(500, 5)).map_blocks(_refuse_chunk_1, dtype=X.dtype)
+    with pytest.raises(BadChunkError, match=r"chunk 1 was refused.*sensor fault"):
+        model.partial_fit(refusing, da.from_array(y, 500))
+    # The stream kept chunks 0-2 of the first call and chunk 0 of the second.
+    blocks = _row_blocks(X, y, None, [500] * 3)
+    _same(model, _loop([*blocks, blocks[0]]), assert_unchanged, snapshot)
+
+
+def test_the_engine_refusing_a_chunk_is_a_bad_chunk():
+    from rh_dask import HuberConfig, NumpyEngine
+    from rh_dask.distributed.consumer import OrderedConsumer
+    from rh_dask.distributed.items import LoadedChunk
+
+    consumer = OrderedConsumer(lambda: NumpyEngine(HuberConfig()))
+    try:
+        consumer.begin("s", None)
+        X, y, _ = _data(n=20, d=3)
+        consumer.deliver("s", LoadedChunk(0, X, y, None))
+        consumer.deliver("s", LoadedChunk(1, X[:, :2], y, None))  # the engine refuses it
+        deadline = time.monotonic() + 10
+        while consumer.failure is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        failure = consumer.failure
+    finally:
+        consumer.close()
+    assert failure is not None and failure.index == 1 and failure.refused
+    err = failure.exception()
+    assert isinstance(err, BadChunkError) and err.chunk_index == 1
+    assert err.__cause__ is failure.error
+
+
+def test_resolve_loader_refuses_with_validation_errors():
+    from rh_dask.distributed.coordinator import resolve_loader
+    from rh_dask.distributed.placement import WorkerInfo
+
+    host = WorkerInfo("tcp://a:1", 2, {})
+    with pytest.raises(ValidationError, match="loader must be one of"):
+        resolve_loader("nowhere", host, [host])
+    with pytest.raises(ValidationError, match="persisted"):
+        resolve_loader("actor", host, [host], self_contained=False)
 
 
 def test_no_client_progress_bar(capsys):
@@ -605,7 +708,7 @@ def _die_on_chunk_3(block, block_info=None):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("loader", ["actor", "engine-worker"])
-def test_losing_the_actor_worker_raises_not_hangs(loader):
+def test_losing_the_actor_worker_raises_not_hangs(loader, snapshot, assert_unchanged):
     X, y, _ = _data(n=4_000, seed=22)
     with (
         LocalCluster(
@@ -622,6 +725,21 @@ def test_losing_the_actor_worker_raises_not_hangs(loader):
             model.fit(Xd, da.from_array(y, 500))
         assert time.perf_counter() - start < 60
         assert not hasattr(model, "n_features_in_")
+    # A fitted model keeps its state from before the call, as the error says.
+    fitted = RenewableHuberRegressor(loader=loader, lookahead=2, progress=False).fit(X, y)
+    before = snapshot(fitted)
+    with (
+        LocalCluster(
+            n_workers=2, threads_per_worker=1, processes=True, dashboard_address=":0"
+        ) as lc,
+        Client(lc, direct_to_workers=True, set_as_default=False) as c,
+        c.as_current(),
+    ):
+        fitted.set_params(worker=sorted(_workers(c))[0])
+        with pytest.raises(ActorLostError, match="lost"):
+            fitted.fit(Xd, da.from_array(y, 500))
+    fitted.set_params(worker=None)
+    assert_unchanged(before, snapshot(fitted))
 
 
 @pytest.mark.parametrize("separate_target", [False, True])

@@ -470,6 +470,27 @@ def test_numeric_categories_and_strings_convert_as_in_scikit_learn(stream):
     assert model.state_.equals(reference.state_)
 
 
+def test_a_categorical_column_in_a_dask_partition_is_a_bad_chunk():
+    import dask.dataframe as dd
+
+    from rh_dask import BadChunkError
+
+    rng = np.random.default_rng(3)
+
+    def part(i):
+        frame = pd.DataFrame(rng.normal(size=(30, 2)), columns=["a", "b"])
+        frame["y"] = rng.normal(size=30)
+        if i == 1:
+            frame["b"] = pd.Categorical(["u", "v"] * 15)
+        return frame
+
+    meta = pd.DataFrame({"a": [], "b": [], "y": []}, dtype=float)
+    model = RenewableHuberRegressor(progress=False)
+    with pytest.raises(BadChunkError, match=r"chunk 1 was refused.*column 'b' of X has dtype"):
+        model.fit(dd.from_map(part, range(3), meta=meta), "y")
+    assert model.history_["chunk"].tolist() == [0]
+
+
 def test_a_column_vector_y_passes_validation_raveled_with_a_warning(stream):
     from sklearn.exceptions import DataConversionWarning
 
