@@ -275,7 +275,7 @@ class RenewableHuberRegressor(RegressorMixin, BaseEstimator):
             self.__dict__.pop(name, None)
 
     def fit(self, X: Any, y: Any, sample_weight: Any | None = None) -> RenewableHuberRegressor:
-        """Reset, then consume ``X`` as the stream.
+        """Start a new stream with ``X`` (the current one is forgotten once it has begun).
 
         In-memory ``X`` is one batch. A Dask array or DataFrame is walked chunk
         by chunk in order (each row chunk or partition one batch), see
@@ -551,15 +551,16 @@ class RenewableHuberRegressor(RegressorMixin, BaseEstimator):
         """
         if not records:
             return
-        if fresh:
-            self._forget_stream()
         engine = getattr(self, "_engine", None)
         if engine is not None and engine.config == config and engine.name == engine_name:
-            engine.import_state(state)  # keeps the local engine's workspaces
-            self._pending_state = None
+            engine.import_state(state)  # keeps the local engine's workspaces; atomic
+            pending = None
         else:
-            self._engine = None
-            self._pending_state = state
+            engine, pending = None, state
+        if fresh:
+            self._forget_stream()
+        self._engine = engine
+        self._pending_state = pending
         self._start_attributes(config, engine_name, state.n_features_in, feature_names)
         first = state.batch_count - len(records)
         for offset, record in enumerate(records):
@@ -657,7 +658,8 @@ class RenewableHuberRegressor(RegressorMixin, BaseEstimator):
 
             return predict_dask(self, X)
         if is_device_array(X):
-            engine = self._stream_engine()
+            # Refused before a restored stream's engine is started for it.
+            engine = self._stream_engine() if self.engine_ == "gpu" else None
             if engine is None or not engine.accepts_device_arrays:
                 raise ValidationError(
                     "got a CUDA device array, but this model's engine takes host arrays"

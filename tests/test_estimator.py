@@ -610,3 +610,25 @@ def test_check_estimator_passes_fully_with_the_array_api_check(tmp_path):
     )
     assert done.returncode == 0, done.stderr[-3000:]
     assert int(done.stdout.split()[-1]) >= 50
+
+
+class _FakeCudaArray:
+    """Looks like a CUDA array to rh-dask's device check (never dereferenced)."""
+
+    shape = (2, 3)
+
+    @property
+    def __cuda_array_interface__(self):
+        return {"shape": self.shape, "typestr": "<f8", "data": (0, False), "version": 3}
+
+
+def test_a_device_array_refused_by_a_host_model_starts_no_engine(fitted, tmp_path):
+    from rh_dask import ValidationError
+
+    model, _ = fitted
+    loaded = RenewableHuberRegressor.load(model.save(tmp_path / "m.npz"))
+    before = _everything(loaded)
+    with pytest.raises(ValidationError, match="takes host arrays"):
+        loaded.predict(_FakeCudaArray())
+    assert _everything(loaded) == before
+    assert loaded._engine is None
