@@ -15,6 +15,7 @@ __all__ = [
     "InputTypeError",
     "NotFittedError",
     "RhDaskError",
+    "SchedulerLostError",
     "StreamError",
     "ValidationError",
 ]
@@ -68,6 +69,26 @@ class StreamError(RhDaskError, RuntimeError):
     def __init__(self, message: str, chunk_index: int | None = None) -> None:
         super().__init__(message)
         self.chunk_index = chunk_index
+
+
+class SchedulerLostError(StreamError):
+    """The Dask scheduler of a distributed stream went away mid-walk.
+
+    Every future of the stream, the engine's actor among them, is gone with
+    the scheduler's connection. The model keeps the state it had before the
+    call; the message names the scheduler's address.
+
+    Attributes
+    ----------
+    address : str or None
+        The scheduler that was lost.
+    """
+
+    def __init__(
+        self, message: str, chunk_index: int | None = None, address: str | None = None
+    ) -> None:
+        super().__init__(message, chunk_index)
+        self.address = address
 
 
 class BadChunkError(StreamError, ValidationError):

@@ -20,7 +20,9 @@ Per stream the coordinator (running in the client's process)
 4. stops at the first chunk that fails (validation, a failing task, the
    engine refusing it) with a :class:`~rh_dask.exceptions.StreamError` naming
    it, after taking back the state of the last good chunk; and raises, rather
-   than hangs, when the actor's worker disappears.
+   than hangs, when the actor's worker disappears (:class:`ActorLostError`)
+   or the scheduler does (:class:`~rh_dask.exceptions.SchedulerLostError`,
+   within about a second of the client losing its connection).
 
 The engine consumes chunk ``i`` only after chunk ``i - 1``: order is decided
 by the actor's inbox, never by which load finishes first.
@@ -28,6 +30,7 @@ by the actor's inbox, never by which load finishes first.
 
 from __future__ import annotations
 
+import time
 import uuid
 from dataclasses import dataclass, field
 from typing import Any
@@ -36,7 +39,7 @@ from dask.highlevelgraph import HighLevelGraph, MaterializedLayer
 from distributed import Future, wait
 
 from ..config import HuberConfig
-from ..exceptions import StreamError, ValidationError
+from ..exceptions import SchedulerLostError, StreamError, ValidationError
 from ..state import HuberState
 from .actor import EngineActor, deliver_chunk, load_and_deliver
 from .chunks import AlignedStream, ChunkGraph
@@ -44,7 +47,7 @@ from .consumer import BatchRecord, Progress
 from .graphs import Task, TaskRef
 from .items import BadChunk, chunk_error
 from .loading import assemble_chunk
-from .placement import WorkerInfo, choose_worker, cluster_workers
+from .placement import WorkerInfo, choose_worker, cluster_workers, scheduler_workers
 from .progress import StreamProgress
 
 #: How long one progress poll may wait on the worker before answering anyway.
@@ -148,9 +151,42 @@ def resolve_loader(
     return "engine-worker"
 
 
+def _scheduler_lost(client: Any, wait: float = 0.0) -> bool:
+    """Whether ``client`` has lost its scheduler, watching for up to ``wait`` seconds.
+
+    A client whose connection to the scheduler breaks stops ``"running"`` at
+    once (it cancels every future and tries to reconnect), so its status
+    tells a lost scheduler from a lost worker without asking the scheduler,
+    which would wait out the connect timeout for an answer that cannot come.
+    """
+    deadline = time.monotonic() + wait
+    while client.status == "running":
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
+def _scheduler_address(client: Any) -> str:
+    address = getattr(getattr(client, "scheduler", None), "address", None)
+    return str(address) if address else "(address unknown)"
+
+
+def _scheduler_gone(address: str, consumed: int | None) -> SchedulerLostError:
+    where = "" if consumed is None else f" after {consumed} chunk(s)"
+    return SchedulerLostError(
+        f"the connection to the Dask scheduler {address} was lost{where}; the engine's "
+        "actor and the stream's tasks went with it (the model keeps its state from before "
+        "this call). Restart the scheduler and its workers, then refit or resume from a "
+        "checkpoint.",
+        consumed,
+        address,
+    )
+
+
 def _alive(client: Any, address: str) -> bool:
     try:
-        return address in client.scheduler_info(n_workers=-1)["workers"]
+        return address in scheduler_workers(client)
     except Exception:  # the scheduler itself is unreachable: treat the worker as gone
         return False
 
@@ -228,6 +264,8 @@ class ClusterWalk:
         self._shared: dict[Any, Future] = {}
         self._actor_future: Future | None = None
         self._actor: Any = None
+        self.scheduler_address = _scheduler_address(client)
+        self._consumed = 0
 
     # -- setup ---------------------------------------------------------------------------
     def _start_actor(self, host: WorkerInfo) -> None:
@@ -254,8 +292,10 @@ class ClusterWalk:
                 wait([self._actor_future], timeout=START_CHECK_SECONDS)
                 break
             except TimeoutError:
+                self._check_scheduler()
                 if not _alive(self.client, host.address):
                     raise _lost(host.address, 0) from None
+        self._check_scheduler()  # a lost scheduler cancels every future, this one too
         self._actor = self._actor_future.result()
 
     def _make_graph(self, mode: str, stream_id: str) -> ChunkGraph:
@@ -346,12 +386,22 @@ class ClusterWalk:
             return chunk_error(index, fut.exception())
         return StreamError(f"chunk {index} was {fut.status} before it reached the engine", index)
 
+    def _check_scheduler(self, wait: float = 0.0) -> None:
+        """Raise :class:`SchedulerLostError` if the client has lost its scheduler."""
+        if _scheduler_lost(self.client, wait):
+            raise _scheduler_gone(self.scheduler_address, self._consumed)
+
     def _poll(self, consumed: int, n_records: int, min_new: int, address: str) -> Progress:
         while True:
+            self._check_scheduler()
             call = self._actor.progress(consumed, n_records, min_new, POLL_SECONDS)
             try:
                 return call.result(timeout=POLL_SECONDS + REPLY_GRACE_SECONDS)
             except Exception as exc:  # timeout, closed comm, "worker holding Actor was lost"
+                # A broken call may be the scheduler's loss seen first by the
+                # worker (which then closes): give the client a second to see it.
+                if _scheduler_lost(self.client, 0.0 if isinstance(exc, TimeoutError) else 1.0):
+                    raise _scheduler_gone(self.scheduler_address, consumed) from exc
                 if not _alive(self.client, address):
                     raise _lost(address, consumed) from exc
                 if not isinstance(exc, (TimeoutError, OSError)):
@@ -359,7 +409,14 @@ class ClusterWalk:
 
     # -- the walk ----------------------------------------------------------------------
     def run(self) -> ClusterOutcome:
-        """Walk the stream; never raises for chunk or worker failures (see ``outcome``)."""
+        """Walk the stream; never raises for chunk or worker failures (see ``outcome``).
+
+        Raises
+        ------
+        SchedulerLostError
+            When the client has no scheduler to start with.
+        """
+        self._check_scheduler()
         workers = cluster_workers(self.client)
         host = choose_worker(workers, self.engine, self.worker)
         graph = None
@@ -387,10 +444,18 @@ class ClusterWalk:
             self._walk(graph, mode, host.address, stream_id)
         except StreamError as exc:
             self.outcome.error = exc
-            lost = isinstance(exc, ActorLostError)
+            lost = isinstance(exc, (ActorLostError, SchedulerLostError))
         except BaseException as exc:  # KeyboardInterrupt too: still take the state back
             self.outcome.error = exc
-            lost = self._actor is not None and not _alive(self.client, host.address)
+            # An error of a call the lost scheduler broke (a cancelled future, a
+            # closed connection) is the scheduler's loss; an interrupt stays one.
+            failed = isinstance(exc, Exception)
+            lost = _scheduler_lost(self.client, 1.0 if failed else 0.0)
+            if lost and failed:
+                self.outcome.error = _scheduler_gone(self.scheduler_address, self._consumed)
+                self.outcome.error.__cause__ = exc
+            elif not lost:
+                lost = self._actor is not None and not _alive(self.client, host.address)
         finally:
             self._release_all()
             self._finish(stream_id, lost)
@@ -418,7 +483,7 @@ class ClusterWalk:
             self._release_through(graph, consumed, snap.consumed)
             records.extend(snap.records)
             self.progress.update(snap.consumed - consumed, sum(r.rows for r in snap.records))
-            consumed = snap.consumed
+            consumed = self._consumed = snap.consumed
             self.outcome.n_empty = snap.n_empty
             if snap.failure is not None:
                 raise _chunk_failure(snap.failure)
@@ -428,6 +493,11 @@ class ClusterWalk:
             if self._actor_future is not None:
                 self._actor_future.release()
             return
+        if not lost and _scheduler_lost(self.client):
+            # Nothing can come back from the engine: report the loss instead of
+            # an error whose promise (the state after the last good chunk) it breaks.
+            lost = True
+            self._report_scheduler_loss()
         if not lost:
             try:
                 # Chunks consumed after the last poll (an interrupted walk) are in
@@ -438,14 +508,25 @@ class ClusterWalk:
                 self.outcome.records.extend(final.records)
                 self.outcome.n_empty = final.n_empty
                 self._actor.close().result(timeout=REPLY_GRACE_SECONDS * 12)
-            except Exception as exc:  # the worker died while we were finishing
+            except Exception as exc:  # the worker (or the scheduler) died while we were finishing
                 self.outcome.state = None
-                if self.outcome.error is None:
+                if _scheduler_lost(self.client, 1.0):
+                    self._report_scheduler_loss(exc)
+                elif self.outcome.error is None:
                     self.outcome.error = _lost(self.outcome.placement["worker"], None)
                     self.outcome.error.__cause__ = exc
         self._actor = None
         self._actor_future.release()
         self._actor_future = None
+
+    def _report_scheduler_loss(self, cause: BaseException | None = None) -> None:
+        """Make the outcome's error a :class:`SchedulerLostError` (an interrupt stays)."""
+        error = self.outcome.error
+        if isinstance(error, SchedulerLostError) or not isinstance(error, (Exception, type(None))):
+            return  # reported already, or an interrupt
+        lost = _scheduler_gone(self.scheduler_address, self._consumed)
+        lost.__cause__ = cause or error
+        self.outcome.error = lost
 
 
 def _chunk_failure(bad: BadChunk) -> StreamError:

@@ -34,9 +34,19 @@ class WorkerInfo:
         return self.resources.get(GPU_RESOURCE, 0) >= 1
 
 
+def scheduler_workers(client: Any) -> dict[str, dict[str, Any]]:
+    """Every worker the scheduler knows now: address -> what it reports of it.
+
+    Asked of the scheduler directly: ``client.scheduler_info()`` answers from
+    a copy that the client's periodic refresh also rewrites, with no worker
+    listed in distributed 2026.x, so a call racing that refresh may see none.
+    """
+    return client.sync(client.scheduler.identity, n_workers=-1)["workers"]
+
+
 def cluster_workers(client: Any) -> list[WorkerInfo]:
     """The cluster's workers, freshly asked of the scheduler."""
-    info = client.scheduler_info(n_workers=-1)["workers"]
+    info = scheduler_workers(client)
     return [
         WorkerInfo(addr, int(w.get("nthreads", 1)), dict(w.get("resources") or {}))
         for addr, w in sorted(info.items())
