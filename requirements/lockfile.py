@@ -36,7 +36,8 @@ HEADER = """\
 #
 # python_version: {minor}
 # Made on CPython {full} ({platform}); CI runs CPython 3.11. The Makefile
-# refuses this lock for another Python minor: wheels and resolutions differ.
+# tries this lock on another Python minor first and falls back to the
+# newest releases only where it cannot install there.
 #
 # Refresh (a throwaway environment with the newest releases of everything
 # pyproject.toml asks for, frozen into this file):  make lock
