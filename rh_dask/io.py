@@ -229,6 +229,12 @@ def _check_numeric(frame: Any, columns: Sequence[str], where: str) -> None:
 
 
 # -- tables --------------------------------------------------------------------------------
+def _pandas_major() -> int:
+    import pandas as pd
+
+    return int(pd.__version__.split(".")[0])
+
+
 def _read_frame(paths: list[str], fmt: str, path: str) -> Any:
     # dask.dataframe itself needs pyarrow: check first, to say so in one line.
     require("pyarrow", "io", f"reading {'Parquet' if fmt == 'parquet' else 'CSV'}")
@@ -243,7 +249,12 @@ def _read_frame(paths: list[str], fmt: str, path: str) -> Any:
     try:
         # assume_missing: integer-looking columns become float64 in every block,
         # so a block with a missing value cannot disagree with the inferred dtype.
-        return dd.read_csv(paths, assume_missing=True, blocksize=None if compressed else "64MB")
+        # Floats parsed exactly: before pandas 3 the default parser may miss the
+        # written value by an ulp (pandas 3 parses exactly and deprecates the option).
+        exact = {"float_precision": "round_trip"} if _pandas_major() < 3 else {}
+        return dd.read_csv(
+            paths, assume_missing=True, blocksize=None if compressed else "64MB", **exact
+        )
     except (OSError, ValueError) as exc:
         raise InputError(f"cannot read {path!r} as CSV: {exc}") from exc
 
