@@ -70,7 +70,7 @@ test-oldest:
 	$(PYTHON) $(LOCKTOOL) check-python $(OLDEST_LOCK)
 	rm -rf $(OLDEST_VENV)
 	$(PYTHON) -m venv $(OLDEST_VENV)
-	$(OLDEST_VENV)/bin/python -m pip install $(PIP_QUIET) -c $(OLDEST_LOCK) --upgrade pip
+	$(OLDEST_VENV)/bin/python -m pip install $(PIP_QUIET) -c $(OLDEST_LOCK) --upgrade pip setuptools
 	$(OLDEST_VENV)/bin/python -m pip install $(PIP_QUIET) -c $(OLDEST_LOCK) -e ".[dev,io,report]"
 	@$(OLDEST_VENV)/bin/python $(LOCKTOOL) versions dask distributed numpy pandas
 	$(OLDEST_VENV)/bin/python -m pytest -q -p no:cacheprovider $(PYTEST_ARGS)
