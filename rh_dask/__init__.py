@@ -11,6 +11,7 @@ The public API:
 * the exceptions in :mod:`rh_dask.exceptions`.
 """
 
+from . import settings  # noqa: F401  (merges rh-dask.yaml into dask.config)
 from ._version import __version__
 from .config import HuberConfig
 from .engines import Engine, NumpyEngine, make_engine
