@@ -10,12 +10,30 @@
   ``LocalCluster``;
 * ``none``: no cluster. Chunks are computed in this process with dask's
   threaded scheduler, and the stream walks them with the local engine.
+
+A local cluster's dashboard is off unless asked for; its scheduler still
+serves its small HTTP API (health, metrics), on a free port of 127.0.0.1.
+
+Ctrl-C belongs to this process. A terminal sends SIGINT to the whole
+process group, and a local cluster's worker processes are in that group:
+left alone, each would die of the signal mid-task, printing tracebacks, and
+the scheduler would wait for them to time out. So the workers are started
+with SIGINT blocked (a blocked signal stays pending and is never delivered;
+the mask is inherited by every process the cluster's event loop spawns), and
+this process, interrupted, closes them itself, quietly, within a few seconds
+(:meth:`ClusterSession.close`). A Ctrl-C while the cluster starts takes
+effect once it has started.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import signal
+import threading
+import warnings
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Any
@@ -26,6 +44,9 @@ __all__ = ["ClusterError", "ClusterSession", "gpu_count", "open_cluster"]
 
 #: Resource name GPU workers advertise (``dask cuda worker --resources GPU=1``).
 GPU_RESOURCE = "GPU"
+#: Seconds an interrupted command gives a local cluster to close; its worker
+#: processes also exit when this process does.
+INTERRUPTED_CLOSE_SECONDS = 3.0
 
 
 class ClusterError(RhDaskError, RuntimeError):
@@ -42,11 +63,14 @@ class ClusterSession:
     client : distributed.Client or None
     cluster : distributed.deploy.Cluster or None
         Owned by the session (closed with it) when it was started here.
+    dashboard : bool
+        Whether the dashboard was asked for (see :attr:`dashboard_link`).
     """
 
     kind: str
     client: Any = None
     cluster: Any = None
+    dashboard: bool = False
     _closed: bool = field(default=False, repr=False)
 
     @property
@@ -69,18 +93,43 @@ class ClusterSession:
             for address, w in sorted(info.items())
         ]
 
+    @property
+    def dashboard_link(self) -> str | None:
+        """The dashboard's address when it was asked for and the scheduler serves one."""
+        if not self.dashboard or self.client is None:
+            return None
+        return self.client.dashboard_link or None
+
     def has_gpu_workers(self) -> bool:
         """Whether any worker advertises the ``GPU`` resource."""
         return any(w["resources"].get(GPU_RESOURCE, 0) >= 1 for w in self.workers())
 
-    def close(self) -> None:
+    def close(self, *, interrupted: bool = False) -> None:
+        """Close the client, and the cluster when this session started it.
+
+        Parameters
+        ----------
+        interrupted : bool
+            The command was interrupted: close within
+            :data:`INTERRUPTED_CLOSE_SECONDS`, with distributed's logging and
+            warnings silenced (workers being stopped mid-task report it).
+        """
         if self._closed:
             return
         self._closed = True
-        if self.client is not None:
-            self.client.close()
-        if self.cluster is not None:
-            self.cluster.close()
+        if not interrupted:
+            if self.client is not None:
+                self.client.close()
+            if self.cluster is not None:
+                self.cluster.close()
+            return
+        with _silenced():
+            if self.client is not None:
+                with contextlib.suppress(Exception):
+                    self.client.close(timeout=INTERRUPTED_CLOSE_SECONDS)
+            if self.cluster is not None:
+                with contextlib.suppress(Exception):
+                    self.cluster.close(timeout=INTERRUPTED_CLOSE_SECONDS)
 
     def __enter__(self) -> ClusterSession:
         return self
@@ -91,7 +140,55 @@ class ClusterSession:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        self.close()
+        self.close(interrupted=exc_type is not None and issubclass(exc_type, KeyboardInterrupt))
+
+
+@contextlib.contextmanager
+def _silenced() -> Iterator[None]:
+    """No log records and no warnings from this process while the block runs."""
+    previous = logging.root.manager.disable
+    logging.disable(logging.CRITICAL)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            yield
+    finally:
+        logging.disable(previous)
+
+
+@contextlib.contextmanager
+def _sigint_deferred() -> Iterator[None]:
+    """Start a cluster inside: its processes never see SIGINT, this one sees it after.
+
+    SIGINT is blocked in this thread, so the cluster's event loop thread,
+    created in the block, and the threads it creates to spawn worker
+    processes inherit the blocked signal, and so do the processes
+    (``fork`` and ``exec`` keep the mask). Multiprocessing's resource
+    tracker unblocks SIGINT in the thread that first starts it, so it is
+    started before the block. A Ctrl-C during the block is recorded and
+    raised as :class:`KeyboardInterrupt` when the block ends, once the
+    cluster can be closed as a whole.
+    """
+    if not hasattr(signal, "pthread_sigmask"):  # Windows: no process groups to guard
+        yield
+        return
+    with contextlib.suppress(Exception):  # no multiprocessing semaphores: nothing to start
+        from multiprocessing import resource_tracker
+
+        resource_tracker.ensure_running()
+    interrupted = []
+    handler = None
+    if threading.current_thread() is threading.main_thread():
+        handler = signal.signal(signal.SIGINT, lambda signum, frame: interrupted.append(signum))
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+        if handler is not None:
+            signal.signal(signal.SIGINT, handler)
+    if interrupted:
+        raise KeyboardInterrupt
 
 
 def gpu_count() -> int:
@@ -106,10 +203,30 @@ def gpu_count() -> int:
         return 0
 
 
+def _dashboard_options(dashboard: str | None) -> dict[str, Any]:
+    """LocalCluster options for a dashboard at ``dashboard``, or for none.
+
+    Without a dashboard the scheduler still starts its HTTP server (health
+    and metrics routes); at distributed's default port 8787 it warns on every
+    run when that port is taken, so it gets a free port of 127.0.0.1 instead.
+    """
+    if dashboard is None:
+        return {
+            "dashboard_address": None,
+            "scheduler_kwargs": {"dashboard": False, "dashboard_address": "127.0.0.1:0"},
+        }
+    return {"dashboard_address": dashboard}
+
+
 def _start_local(
-    n_workers: int | None, threads_per_worker: int | None, memory_limit: str | None
+    n_workers: int | None,
+    threads_per_worker: int | None,
+    memory_limit: str | None,
+    dashboard: str | None = None,
 ) -> tuple[str, Any]:
-    quiet = {"silence_logs": logging.ERROR, "dashboard_address": None}
+    # Only critical records: a command reports its own failures in one line, and
+    # workers stopped by an interrupted command log the comms they lose.
+    quiet = {"silence_logs": logging.CRITICAL, **_dashboard_options(dashboard)}
     gpus = gpu_count()
     if gpus > 0:
         from dask_cuda import LocalCUDACluster
@@ -144,6 +261,7 @@ def open_cluster(
     n_workers: int | None = None,
     threads_per_worker: int | None = None,
     memory_limit: str | None = None,
+    dashboard: str | None = None,
 ) -> ClusterSession:
     """Connect to, or start, the cluster named by ``scheduler``.
 
@@ -157,6 +275,10 @@ def open_cluster(
         Seconds to wait for the scheduler, then for its first worker.
     n_workers, threads_per_worker, memory_limit
         Shape of a ``local`` CPU cluster (dask's defaults when ``None``).
+    dashboard : str, optional
+        Serve a ``local`` cluster's dashboard at this address
+        (``127.0.0.1:8787``); ``None``: no dashboard. For a remote scheduler
+        any value asks for its dashboard's link (:attr:`ClusterSession.dashboard_link`).
 
     Raises
     ------
@@ -173,12 +295,19 @@ def open_cluster(
     elif scheduler in (None, "none"):
         return ClusterSession("none")
     elif scheduler == "local":
-        kind, cluster = _start_local(n_workers, threads_per_worker, memory_limit)
+        session = None
         try:
-            return ClusterSession(kind, Client(cluster), cluster)
-        except BaseException:
-            cluster.close()
+            with _sigint_deferred():
+                kind, cluster = _start_local(
+                    n_workers, threads_per_worker, memory_limit, dashboard
+                )
+                session = ClusterSession(kind, cluster=cluster, dashboard=dashboard is not None)
+                session.client = Client(cluster)
+        except BaseException as exc:  # a Ctrl-C during the start arrives as the block ends
+            if session is not None:
+                session.close(interrupted=isinstance(exc, KeyboardInterrupt))
             raise
+        return session
     else:
         target = {"address": scheduler}
         where = scheduler
@@ -188,7 +317,7 @@ def open_cluster(
         raise ClusterError(
             f"cannot connect to the Dask scheduler at {where} within {timeout:g} s: {exc}"
         ) from exc
-    session = ClusterSession("remote", client)
+    session = ClusterSession("remote", client, dashboard=dashboard is not None)
     try:
         client.wait_for_workers(1, timeout=timeout)
     except TimeoutError as exc:
