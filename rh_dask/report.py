@@ -38,10 +38,19 @@ from ._version import __version__
 from .extras import require
 from .jobs import FitOutcome
 
-__all__ = ["SCHEMA", "SCHEMA_VERSION", "build_report", "hardware", "write_report"]
+__all__ = [
+    "REPORT_FILES",
+    "SCHEMA",
+    "SCHEMA_VERSION",
+    "build_report",
+    "hardware",
+    "write_report",
+]
 
 SCHEMA = "rh-dask-report"
 SCHEMA_VERSION = 2
+#: The files :func:`write_report` writes, ``report.json`` first.
+REPORT_FILES = ("report.json", "coefficients.png", "convergence.png", "throughput.png")
 _PACKAGES = ("numpy", "pandas", "dask", "distributed", "scipy", "cupy", "dask_cuda")
 
 
@@ -224,18 +233,19 @@ def write_report(
 
     out = Path(directory)
     out.mkdir(parents=True, exist_ok=True)
+    json_name, coefficients_name, convergence_name, throughput_name = REPORT_FILES
     figures = [
-        plots.coefficients(report["coefficient_trajectory"], out / "coefficients.png", truth),
-        plots.convergence(report["history"], out / "convergence.png"),
+        plots.coefficients(report["coefficient_trajectory"], out / coefficients_name, truth),
+        plots.convergence(report["history"], out / convergence_name),
         plots.throughput(
             report["coefficient_trajectory"],
             report["history"],
-            out / "throughput.png",
+            out / throughput_name,
             fit_seconds=report["timings"]["fit_seconds"],
         ),
     ]
     report = dict(report, plots=[p.name for p in figures])
-    path = out / "report.json"
+    path = out / json_name
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(json.dumps(report, indent=2, allow_nan=False) + "\n")
     os.replace(tmp, path)

@@ -15,7 +15,7 @@ from rh_dask.datasets import StreamSpec
 from rh_dask.extras import MissingExtraError
 from rh_dask.io import Table
 from rh_dask.jobs import fit_table, resolve_engine
-from rh_dask.report import _jsonable, build_report, write_report
+from rh_dask.report import REPORT_FILES, _jsonable, build_report, write_report
 
 PNG = b"\x89PNG\r\n\x1a\n"
 
@@ -130,6 +130,7 @@ def test_report_json_and_plots(tmp_path):
         "convergence.png",
         "throughput.png",
     ]
+    assert tuple(f.name for f in files) == REPORT_FILES  # what the command line checks first
     saved = json.loads(files[0].read_text())
     assert saved["schema"] == "rh-dask-report" and saved["schema_version"] == 2
     assert saved["parameters"]["penalty"] == "l1"
