@@ -45,6 +45,7 @@ __all__ = [
     "NpyRows",
     "Table",
     "detect_format",
+    "input_files",
     "open_table",
     "write_predictions",
 ]
@@ -187,6 +188,41 @@ def _local_paths(path: str, fmt: str) -> list[str]:
     return [path]
 
 
+def _dataset_files(directory: str) -> list[str]:
+    """Data files of a Parquet dataset directory, as its readers see them.
+
+    Files and directories whose names start with ``_`` or ``.`` are not data
+    (``_metadata``, ``_SUCCESS``, ``.crc`` files), as in pyarrow's discovery;
+    partition subdirectories (``year=2024/``) are walked.
+    """
+    found = []
+    for root, dirs, names in os.walk(directory):
+        dirs[:] = [d for d in dirs if not d.startswith(("_", "."))]
+        found += [os.path.join(root, n) for n in names if not n.startswith(("_", "."))]
+    return sorted(found, key=natural_sort_key)
+
+
+def input_files(path: str | os.PathLike[str], fmt: str | None = None) -> list[str]:
+    """The files an input is made of: globs expanded, Parquet directories listed.
+
+    A Zarr store counts as one file, and so does a URL (it is not listed).
+
+    Raises
+    ------
+    InputError
+        When nothing matches, or the format cannot be told.
+    """
+    path = os.fspath(path)
+    fmt = fmt or detect_format(path)
+    files: list[str] = []
+    for entry in _local_paths(path, fmt):
+        if fmt == "parquet" and not _is_url(entry) and os.path.isdir(entry):
+            files += _dataset_files(entry)
+        else:
+            files.append(entry)
+    return files
+
+
 # -- column selection ---------------------------------------------------------------------
 def _parse_position(spec: str | int, width: int) -> list[int]:
     """Column positions of ``spec`` (``3``, ``-1`` or ``a:b``), checked against ``width``."""
@@ -259,6 +295,47 @@ def _read_frame(paths: list[str], fmt: str, path: str) -> Any:
         raise InputError(f"cannot read {path!r} as CSV: {exc}") from exc
 
 
+def _csv_has_rows(path: str) -> bool:
+    """Whether a CSV file holds a row below its header (reads its first lines only)."""
+    import pandas as pd
+
+    try:
+        return len(pd.read_csv(path, nrows=1)) > 0
+    except pd.errors.EmptyDataError:  # not even a header
+        return False
+
+
+def _refuse_header_only(paths: list[str], path: str) -> None:
+    """Say that the CSV input has no rows, when a non-numeric column comes from that.
+
+    dask infers the column types from the first file; a file of a header
+    alone gives text columns, which would otherwise be reported as "not
+    numbers". Called only when a column is not numeric, so good inputs pay
+    nothing for it.
+    """
+    if _is_url(paths[0]) or _csv_has_rows(paths[0]):
+        return
+    if len(paths) == 1:
+        raise InputError(f"{paths[0]!r} has no rows: it holds a header only")
+    if not any(_csv_has_rows(p) for p in paths[1:]):
+        raise InputError(f"{path!r} has no rows: its {len(paths)} files hold a header only")
+    raise InputError(
+        f"{paths[0]!r}, the first file of {path!r}, has no rows (a header only), and the "
+        "column types are read from the first file; leave it out of the input"
+    )
+
+
+def _check_exclude(
+    exclude: Sequence[str], features: Sequence[str], columns: list[str], where: str
+) -> None:
+    missing = [c for c in exclude if c not in columns]
+    if missing:
+        raise InputError(f"columns to exclude {missing} are not in {where} (columns: {columns})")
+    both = [c for c in exclude if c in features]
+    if both:
+        raise InputError(f"columns {both} are both features and excluded; choose one")
+
+
 def _frame_table(
     frame: Any,
     path: str,
@@ -267,11 +344,14 @@ def _frame_table(
     weight: str | None,
     exclude: Sequence[str],
     chunk_rows: int | None,
+    paths: list[str],
+    fmt: str,
 ) -> Table:
     columns = [str(c) for c in frame.columns]
     for role, name in (("target", target), ("weight", weight)):
         if name is not None and name not in columns:
             raise InputError(f"{role} column {name!r} is not in {path!r} (columns: {columns})")
+    exclude = [str(c) for c in exclude]
     if features is None:
         skip = {target, weight, *exclude}
         features = [c for c in columns if c not in skip]
@@ -280,12 +360,18 @@ def _frame_table(
         missing = [f for f in features if f not in columns]
         if missing:
             raise InputError(f"feature columns {missing} are not in {path!r} (columns: {columns})")
+    _check_exclude(exclude, features, columns, repr(path))
     if not features:
         raise InputError(f"{path!r} has no feature columns left besides the target and weight")
     roles = [c for c in (target, weight) if c is not None]
     if set(roles) & set(features):
         raise InputError(f"the target and weight columns cannot also be features: {roles}")
-    _check_numeric(frame, [*features, *roles], repr(path))
+    try:
+        _check_numeric(frame, [*features, *roles], repr(path))
+    except InputError:
+        if fmt == "csv":
+            _refuse_header_only(paths, path)
+        raise
     if chunk_rows is not None:
         import dask.dataframe as dd
 
@@ -379,9 +465,13 @@ def _matrix_table(
     t = None if target is None else _parse_position(target, width)[0]
     w = None if weight is None else _parse_position(weight, width)[0]
     cols = _positions(features, width)
+    excluded = _positions(exclude, width) or []
     if cols is None:
-        skip = {t, w, *(_positions(exclude, width) or [])}
+        skip = {t, w, *excluded}
         cols = [j for j in range(width) if j not in skip]
+    elif set(cols) & set(excluded):
+        both = sorted(set(cols) & set(excluded))
+        raise InputError(f"columns {both} are both features and excluded; choose one")
     if not cols:
         raise InputError(f"{path!r} has no feature columns left besides the target and weight")
     return Table(
@@ -420,12 +510,14 @@ def _zarr_table(
     if target is None:
         raise InputError(f"choose the target array of the Zarr group {path!r} ({names})")
     n_rows = int(arrays[target].shape[0])
+    exclude = [str(c) for c in exclude]
     if features is None:
         skip = {target, weight, *exclude}
         features = [n for n in names if n not in skip and arrays[n].shape[:1] == (n_rows,)]
     missing = [f for f in features if f not in arrays]
     if missing:
         raise InputError(f"feature arrays {missing} are not in the Zarr group {path!r} ({names})")
+    _check_exclude(exclude, features, names, f"the Zarr group {path!r}")
     if not features:
         raise InputError(f"the Zarr group {path!r} has no feature arrays of {n_rows} rows")
 
@@ -486,7 +578,9 @@ def open_table(
     weight : str, optional
         Column of frequency weights.
     exclude : sequence of str
-        Columns left out of the default feature set.
+        Columns left out of the default feature set (an id column, say).
+        Every name must be a column of the input, and none may also be in
+        ``features``.
     chunk_rows : int, optional
         Re-cut the stream into batches of exactly this many rows (the last one
         shorter). For tables this counts the rows of every partition first.
@@ -496,7 +590,9 @@ def open_table(
     Raises
     ------
     InputError
-        Missing files, unknown columns, non-numeric columns, unknown format.
+        Missing files, unknown columns (features, target, weight or
+        ``exclude``), non-numeric columns, a CSV input without rows, unknown
+        format.
     MissingExtraError
         When the reader of the format is not installed.
     """
@@ -508,8 +604,9 @@ def open_table(
         raise InputError(f"unknown input format {fmt!r}; choose one of {INPUT_FORMATS}")
     paths = _local_paths(path, fmt)
     if fmt in ("parquet", "csv"):
+        frame = _read_frame(paths, fmt, path)
         table = _frame_table(
-            _read_frame(paths, fmt, path), path, target, features, weight, exclude, chunk_rows
+            frame, path, target, features, weight, exclude, chunk_rows, paths, fmt
         )
     elif fmt == "zarr":
         if len(paths) != 1:
@@ -522,13 +619,14 @@ def open_table(
     table.description = {
         "path": path,
         "format": fmt,
-        "files": len(paths),
+        "files": len(input_files(path, fmt)),
         "chunks": table.n_chunks,
         "chunk_rows": chunk_rows,
         "rows": _known_rows(table.X),
         "features": list(table.feature_names),
         "target": target,
         "weight": weight,
+        "exclude": [str(c) for c in exclude],
     }
     return table
 
