@@ -10,7 +10,8 @@ Exit codes (also in ``rh-dask --help``):
 1      unexpected failure (``--traceback`` shows where)
 2      usage error: unknown option, missing or malformed argument
 3      bad input: missing file, unknown column, unreadable data, a chunk
-       refused by validation, an invalid or corrupted model file
+       refused by validation, an invalid or corrupted model file, an output
+       path that cannot be written (checked before any work)
 4      cluster failure: scheduler unreachable, no workers, engine's worker lost
 5      engine unavailable: the requested engine cannot start
 6      an optional dependency is missing (the message names the extra)
@@ -67,10 +68,12 @@ exit codes:
   1  unexpected failure (--traceback shows where)
   2  usage error
   3  bad input: missing file, unknown column, unreadable data, a chunk refused
-     by validation, an invalid or corrupted model file
+     by validation, an invalid or corrupted model file, an output path that
+     cannot be written
   4  cluster failure: scheduler unreachable, no workers, engine's worker lost
   5  engine unavailable: the requested engine cannot start
   6  an optional dependency is missing (the message names the extra)
+130  interrupted (Ctrl-C)
 """
 
 
@@ -95,15 +98,21 @@ def _positive_float(text: str) -> float:
     return value
 
 
-def _add_cluster_options(parser: argparse.ArgumentParser) -> None:
+#: Where ``--dashboard`` without an address serves a local cluster's dashboard.
+DEFAULT_DASHBOARD = "127.0.0.1:8787"
+
+
+def _add_cluster_options(parser: argparse.ArgumentParser, *, default: str) -> None:
     group = parser.add_argument_group("cluster")
     group.add_argument(
         "--scheduler",
-        default="local",
-        metavar="ADDRESS|local|none",
+        default=default,
+        metavar="ADDRESS|auto|local|none",
         help="scheduler address (tcp://host:8786) to connect to; 'local' starts a cluster "
         "on this machine (a LocalCUDACluster with GPU=1 workers when dask-cuda and a GPU "
-        "are present, else CPU workers); 'none' runs in this process (default: local)",
+        "are present, else CPU workers); 'none' runs in this process; 'auto' runs in this "
+        "process when the input has fewer rows than the setting "
+        "rh-dask.cli.in-process-max-rows, else as 'local' (default: %(default)s)",
     )
     group.add_argument(
         "--scheduler-file", metavar="PATH", help="connect through a dask scheduler file instead"
@@ -122,6 +131,15 @@ def _add_cluster_options(parser: argparse.ArgumentParser) -> None:
         "--threads-per-worker", type=_positive_int, metavar="N", help="threads per local worker"
     )
     group.add_argument("--memory-limit", metavar="BYTES", help="memory limit per local worker")
+    group.add_argument(
+        "--dashboard",
+        nargs="?",
+        const=DEFAULT_DASHBOARD,
+        metavar="ADDRESS",
+        help="serve the local cluster's dashboard (at ADDRESS, default "
+        f"{DEFAULT_DASHBOARD}) and print its link; with a scheduler address, print "
+        "that scheduler's link (default: no dashboard)",
+    )
 
 
 def _estimator_default(name: str) -> Any:
@@ -200,7 +218,7 @@ def build_parser() -> argparse.ArgumentParser:
         "a temporary directory, removed afterwards)",
     )
     _add_model_options(demo)
-    _add_cluster_options(demo)
+    _add_cluster_options(demo, default="local")
     demo.set_defaults(handler=_cmd_demo)
 
     fit = commands.add_parser(
@@ -213,12 +231,17 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_input_options(fit, target_required=True)
     fit.add_argument("--weight", metavar="COL", help="column of frequency weights")
+    _add_exclude_option(fit, "(e.g. an id column)")
     fit.add_argument(
-        "--output", required=True, type=Path, metavar="MODEL.npz", help="where to save the model"
+        "--output",
+        required=True,
+        type=Path,
+        metavar="MODEL.npz",
+        help="where to save the model (.npz is appended when it is not the suffix)",
     )
     fit.add_argument("--report", type=Path, metavar="DIR", help="write report.json and plots")
     _add_model_options(fit)
-    _add_cluster_options(fit)
+    _add_cluster_options(fit, default="auto")
     fit.set_defaults(handler=_cmd_fit)
 
     predict = commands.add_parser(
@@ -231,17 +254,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     predict.add_argument("--model", required=True, type=Path, metavar="MODEL.npz")
     _add_input_options(predict, target_required=False)
-    predict.add_argument(
-        "--exclude",
-        nargs="+",
-        default=(),
-        metavar="COL",
-        help="columns left out of the default features (e.g. the target)",
-    )
+    _add_exclude_option(predict, "(e.g. the target)")
     predict.add_argument("--output", required=True, type=Path, metavar="PATH")
     predict.add_argument("--column", default="prediction", help="output column name")
     predict.add_argument("--overwrite", action="store_true", help="replace an existing output")
-    _add_cluster_options(predict)
+    _add_cluster_options(predict, default="auto")
     predict.set_defaults(handler=_cmd_predict)
 
     info = commands.add_parser(
@@ -255,6 +272,17 @@ def build_parser() -> argparse.ArgumentParser:
     info.add_argument("--json", action="store_true", help="print JSON instead of text")
     info.set_defaults(handler=_cmd_info)
     return parser
+
+
+def _add_exclude_option(parser: argparse.ArgumentParser, example: str) -> None:
+    parser.add_argument(
+        "--exclude",
+        nargs="+",
+        default=[],
+        metavar="COL",
+        help=f"columns left out of the default features {example}; each must be a "
+        "column of the input",
+    )
 
 
 def _add_input_options(parser: argparse.ArgumentParser, *, target_required: bool) -> None:
@@ -287,17 +315,94 @@ def _add_input_options(parser: argparse.ArgumentParser, *, target_required: bool
 
 
 # -- shared steps -------------------------------------------------------------------------
-def _session(args: argparse.Namespace) -> Any:
+def _check_usage(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Combinations of options argparse cannot refuse by itself (exit 2)."""
+    if getattr(args, "dashboard", None) is not None and args.scheduler == "none":
+        parser.error("--dashboard needs a cluster: --scheduler local, auto or an address")
+
+
+#: Options that only mean something on a local cluster: given, ``auto`` starts one.
+_CLUSTER_OPTIONS = ("workers", "threads_per_worker", "memory_limit", "dashboard", "worker")
+
+
+def _choose_scheduler(args: argparse.Namespace, table: Any) -> tuple[str, str | None]:
+    """The ``--scheduler`` to use, and a line saying why when ``auto`` stays in-process.
+
+    ``auto`` runs in this process when the input is known, from metadata, to
+    have fewer rows than the ``rh-dask.cli.in-process-max-rows`` setting:
+    a local cluster costs seconds to start, which a small fit does not
+    repay. An option that only makes sense on a cluster (``--workers``,
+    ``--dashboard``, ``--loader`` other than auto, ...) starts one, and so
+    does a machine where ``local`` means a GPU cluster (dask-cuda and a
+    GPU): the threshold was measured against CPU clusters, and the GPU
+    engine is what such a cluster brings.
+    """
+    if args.scheduler != "auto" or args.scheduler_file is not None:
+        return args.scheduler, None
+    if table is None:  # nothing to measure
+        return "local", None
+    if any(getattr(args, name, None) is not None for name in _CLUSTER_OPTIONS):
+        return "local", None
+    if getattr(args, "loader", "auto") != "auto":
+        return "local", None
+    from .connect import gpu_count
+
+    if gpu_count() > 0:
+        return "local", None
+    from .io import input_files
+    from .settings import in_process_max_rows
+    from .sizing import input_rows
+
+    limit = in_process_max_rows()
+    count = input_rows(
+        table, input_files(table.description["path"], table.description["format"]), limit
+    )
+    if count is None or count.rows >= limit:
+        return "local", None
+    return "none", (
+        f"in-process: {count} rows below the cluster threshold ({limit:,}); "
+        "--scheduler local to force a cluster"
+    )
+
+
+def _session(args: argparse.Namespace, table: Any = None) -> Any:
+    """Open the cluster of the command and say on stdout what it is."""
     from .connect import open_cluster
 
-    return open_cluster(
-        args.scheduler,
+    scheduler, note = _choose_scheduler(args, table)
+    session = open_cluster(
+        scheduler,
         scheduler_file=args.scheduler_file,
         timeout=args.connect_timeout,
         n_workers=args.workers,
         threads_per_worker=args.threads_per_worker,
         memory_limit=args.memory_limit,
+        dashboard=args.dashboard,
     )
+    try:
+        if note is not None:
+            print(note, flush=True)
+        elif session.client is None:
+            print("in-process: no cluster (--scheduler none)", flush=True)
+        else:
+            print(f"cluster: {session.kind} at {session.address}", flush=True)
+        if args.dashboard is not None:
+            print(f"dashboard: {_dashboard_line(session)}", flush=True)
+    except BaseException:
+        session.close()
+        raise
+    return session
+
+
+def _dashboard_line(session: Any) -> str:
+    import importlib.util
+
+    link = session.dashboard_link
+    if link is None:
+        return "not served by this scheduler"
+    if session.kind.startswith("local") and importlib.util.find_spec("bokeh") is None:
+        return f"{link} (its plots need bokeh: pip install 'bokeh>=3.1')"
+    return link
 
 
 def _estimator(args: argparse.Namespace, engine: str) -> Any:
@@ -320,14 +425,6 @@ def _estimator(args: argparse.Namespace, engine: str) -> Any:
         worker=args.worker,
         progress=False if args.no_progress else None,  # None: a bar on a terminal
     )
-
-
-def _check_output_dir(path: Path) -> None:
-    from .io import InputError
-
-    parent = path.expanduser().resolve().parent
-    if not parent.is_dir():
-        raise InputError(f"the directory of {str(path)!r} does not exist")
 
 
 def _fit_and_save(
@@ -395,22 +492,26 @@ def _write_report(
 def _cmd_fit(args: argparse.Namespace, argv: Sequence[str]) -> int:
     from .extras import require
     from .io import open_table
+    from .outputs import check_directory, check_file, model_path
+    from .report import REPORT_FILES
 
-    _check_output_dir(args.output)
+    check_file(args.output, "--output")  # a directory given as the model is refused
+    check_file(model_path(args.output), "--output")
     if args.report is not None:
+        check_directory(args.report, "--report", files=REPORT_FILES)
         require("matplotlib", "report", "--report")
-        _check_output_dir(args.report)
     start = time.perf_counter()
     table = open_table(
         args.input,
         target=args.target,
         features=args.features,
         weight=args.weight,
+        exclude=args.exclude,
         chunk_rows=args.chunk_rows,
         fmt=args.format,
     )
     opened = time.perf_counter()
-    with _session(args) as session:
+    with _session(args, table) as session:
         connected = time.perf_counter()
         outcome, saved = _fit_and_save(args, table, session, args.output)
         print(_summary(outcome))
@@ -430,9 +531,13 @@ def _cmd_fit(args: argparse.Namespace, argv: Sequence[str]) -> int:
 def _cmd_predict(args: argparse.Namespace, argv: Sequence[str]) -> int:
     from .estimator import RenewableHuberRegressor
     from .io import InputError, open_table, output_format, write_predictions
+    from .outputs import check_dataset, check_file
 
-    output_format(args.output)  # refuse an unknown suffix before any work
-    _check_output_dir(args.output)
+    # The output is checked before any work: its suffix, then its place.
+    if output_format(args.output) == "parquet":  # a dataset directory
+        check_dataset(args.output, "--output", overwrite=args.overwrite)
+    else:
+        check_file(args.output, "--output", overwrite=args.overwrite)
     model = RenewableHuberRegressor.load(args.model)
     options = {"exclude": args.exclude, "chunk_rows": args.chunk_rows, "fmt": args.format}
     table = open_table(args.input, features=args.features, **options)
@@ -448,7 +553,7 @@ def _cmd_predict(args: argparse.Namespace, argv: Sequence[str]) -> int:
         )
     start = time.perf_counter()
     # The session's client becomes dask's default scheduler for the writes.
-    with _session(args):
+    with _session(args, table):
         written = write_predictions(
             model.predict(table.X), args.output, column=args.column, overwrite=args.overwrite
         )
@@ -508,10 +613,15 @@ def _cmd_demo(args: argparse.Namespace, argv: Sequence[str]) -> int:
     from .datasets import StreamSpec
     from .extras import require
     from .io import open_table
+    from .outputs import check_directory
+    from .report import REPORT_FILES
 
+    out = check_directory(args.output_dir, "--output-dir", files=("model.npz",))
+    check_directory(out / "report", "--output-dir", files=REPORT_FILES)
+    if args.data_dir is not None:
+        check_directory(args.data_dir, "--data-dir", empty=True)
     require("pyarrow", "io", "the demo's Parquet data")
     require("matplotlib", "report", "the demo's report")
-    out = args.output_dir
     out.mkdir(parents=True, exist_ok=True)
     spec = StreamSpec(n_features=args.features, seed=args.seed)
     scratch = None
@@ -522,8 +632,6 @@ def _cmd_demo(args: argparse.Namespace, argv: Sequence[str]) -> int:
         data_path = args.data_dir
     try:
         with _session(args) as session:
-            where = f" at {session.address}" if session.address else " (this process)"
-            print(f"cluster: {session.kind}{where}")
             written = write_stream(spec, args.rows, args.chunk_rows, data_path, args.dtype)
             print(
                 f"data: {written['rows']:,} rows x {args.features} features in "
@@ -566,7 +674,10 @@ def _exit_code(exc: BaseException) -> int:
     from .connect import ClusterError
     from .extras import MissingExtraError
     from .io import InputError
+    from .settings import SettingError
 
+    if isinstance(exc, SettingError):
+        return EXIT_USAGE
     if isinstance(exc, MissingExtraError):
         return EXIT_MISSING_EXTRA
     if isinstance(exc, ClusterError) or _is_actor_lost(exc):
@@ -594,7 +705,9 @@ def _one_line(exc: BaseException) -> str:
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line; returns the exit code (see the module docstring)."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    _check_usage(parser, args)
     try:
         return args.handler(args, argv)
     except KeyboardInterrupt:

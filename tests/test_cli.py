@@ -11,44 +11,59 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import queue
 import re
+import signal
 import socket
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
+import dask
 import numpy as np
 import pandas as pd
 import pytest
 from threadpoolctl import threadpool_limits
 
+import rh_dask.settings
 from rh_dask import RenewableHuberRegressor
 from rh_dask.checkpoint import load_checkpoint
 from rh_dask.cli import (
     EXIT_CLUSTER,
     EXIT_ENGINE,
     EXIT_INPUT,
+    EXIT_INTERRUPTED,
     EXIT_MISSING_EXTRA,
     EXIT_USAGE,
+    build_parser,
     main,
 )
 from rh_dask.datasets import StreamSpec
-from rh_dask.io import InputError, detect_format, open_table, write_predictions
+from rh_dask.io import InputError, detect_format, input_files, open_table, write_predictions
 from rh_dask.jobs import fit_table
+from rh_dask.settings import IN_PROCESS_MAX_ROWS, in_process_max_rows
+from rh_dask.sizing import input_rows
 
 FEATURES = ["f0", "f1", "f2"]
 N_ROWS = 1200
 
 
-def run_cli(*args: str, cwd: Path, timeout: float = 120) -> subprocess.CompletedProcess:
-    """``python -m rh_dask ARGS`` in a fresh interpreter."""
+def run_cli(
+    *args: str, cwd: Path, timeout: float = 120, warnings: bool = False
+) -> subprocess.CompletedProcess:
+    """``python -m rh_dask ARGS`` in a fresh interpreter (warnings hidden unless asked for)."""
+    env = dict(os.environ)
+    if not warnings:
+        env["PYTHONWARNINGS"] = "ignore"
     return subprocess.run(
         [sys.executable, "-m", "rh_dask", *args],
         cwd=cwd,
         capture_output=True,
         text=True,
         timeout=timeout,
-        env={**os.environ, "PYTHONWARNINGS": "ignore"},
+        env=env,
     )
 
 
@@ -402,6 +417,381 @@ def test_write_predictions_refuses_unknown_suffix(tmp_path):
 
     with pytest.raises(InputError, match="must end in one of"):
         write_predictions(da.zeros(3, chunks=2), tmp_path / "out.txt")
+
+
+# -- output paths are checked before any work -----------------------------------------------
+def _tree(root: Path) -> list[str]:
+    return sorted(str(p.relative_to(root)) for p in root.rglob("*"))
+
+
+@pytest.mark.parametrize(
+    ("case", "message"),
+    [
+        ("fit-output-directory", "--output 'taken' is a directory"),
+        ("fit-output-npz-directory", "--output 'taken.npz' is a directory"),
+        ("fit-output-missing-directory", "the directory 'nowhere' does not exist"),
+        ("fit-output-under-a-file", "'plain.txt' is not a directory"),
+        ("fit-output-unwritable", "cannot write in '/proc'"),
+        ("fit-report-is-a-file", "--report 'plain.txt' is a file, not a directory"),
+        ("fit-report-under-a-file", "cannot be created: 'plain.txt' is a file"),
+        ("fit-report-holds-a-directory", "report.json' is a directory"),
+        ("predict-output-directory", "--output 'taken.npy' is a directory"),
+        ("predict-output-exists", "--output 'old.parquet' exists; pass --overwrite"),
+        ("predict-output-suffix", "the name must end in one of"),
+        ("demo-output-dir-is-a-file", "--output-dir 'plain.txt' is a file"),
+        ("demo-data-dir-not-empty", "--data-dir 'full' is not empty"),
+    ],
+)
+def test_output_paths_are_refused_before_any_work(tmp_path, monkeypatch, capsys, case, message):
+    """Exit 3, one line, nothing written; the input is missing, so only an up-front check sees
+    the output (a fit would have reported the input first)."""
+    if case.endswith("unwritable") and not os.path.isdir("/proc"):
+        pytest.skip("needs /proc, a directory where no one can create files")
+    (tmp_path / "taken").mkdir()
+    (tmp_path / "taken.npz").mkdir()
+    (tmp_path / "plain.txt").write_text("x")
+    (tmp_path / "rep" / "report.json").mkdir(parents=True)
+    (tmp_path / "old.parquet").mkdir()
+    (tmp_path / "full").mkdir()
+    (tmp_path / "full" / "notes.txt").write_text("keep")
+    (tmp_path / "taken.npy").mkdir()
+    before = _tree(tmp_path)
+    fit = ["fit", "--input", "absent.parquet", "--target", "y"]
+    predict = ["predict", "--model", "absent.npz", "--input", "absent.parquet"]
+    argv = {
+        "fit-output-directory": [*fit, "--output", "taken"],
+        "fit-output-npz-directory": [*fit, "--output", "taken.npz"],
+        "fit-output-missing-directory": [*fit, "--output", "nowhere/m.npz"],
+        "fit-output-under-a-file": [*fit, "--output", "plain.txt/m.npz"],
+        "fit-output-unwritable": [*fit, "--output", "/proc/m.npz"],
+        "fit-report-is-a-file": [*fit, "--output", "m.npz", "--report", "plain.txt"],
+        "fit-report-under-a-file": [*fit, "--output", "m.npz", "--report", "plain.txt/r"],
+        "fit-report-holds-a-directory": [*fit, "--output", "m.npz", "--report", "rep"],
+        "predict-output-directory": [*predict, "--output", "taken.npy"],
+        "predict-output-exists": [*predict, "--output", "old.parquet"],
+        "predict-output-suffix": [*predict, "--output", "p.txt"],
+        "demo-output-dir-is-a-file": ["demo", "--output-dir", "plain.txt"],
+        "demo-data-dir-not-empty": ["demo", "--output-dir", "out", "--data-dir", "full"],
+    }[case]
+    monkeypatch.chdir(tmp_path)
+    assert main(argv) == EXIT_INPUT
+    captured = capsys.readouterr()
+    assert captured.out == ""  # no cluster, no data, no fit
+    (line,) = captured.err.splitlines()
+    assert line.startswith("rh-dask: error: ") and message in line, line
+    assert _tree(tmp_path) == before
+
+
+def test_output_errors_are_one_line_from_the_command_line(tmp_path):
+    (tmp_path / "taken").mkdir()
+    result = run_cli(
+        "fit", "--input", "absent.parquet", "--target", "y", "--output", "taken", cwd=tmp_path
+    )
+    assert result.returncode == EXIT_INPUT
+    assert result.stdout == ""
+    assert result.stderr.splitlines() == [
+        "rh-dask: error: --output 'taken' is a directory; give a file name"
+    ]
+
+
+def test_predict_overwrites_a_parquet_dataset_only_when_asked(data, parquet_model, tmp_path):
+    out = tmp_path / "pred.parquet"
+    args = ["predict", "--model", str(parquet_model), "--input", str(data["root"] / "table.csv")]
+    args += ["--output", str(out), "--scheduler", "none"]
+    assert main(args) == 0
+    assert main(args) == EXIT_INPUT
+    assert main([*args, "--overwrite"]) == 0
+    assert len(pd.read_parquet(out)) == N_ROWS
+
+
+# -- columns, files and rows of the input ----------------------------------------------------
+def test_fit_excludes_columns_and_records_them(data, tmp_path):
+    frame = data["frame"].assign(id=np.arange(N_ROWS, dtype=float))
+    source = tmp_path / "with-id.csv"
+    frame.to_csv(source, index=False)
+    model, report_dir = tmp_path / "model.npz", tmp_path / "report"
+    args = ["fit", "--input", str(source), "--target", "y", "--weight", "w", "--exclude", "id"]
+    assert main([*args, "--output", str(model), "--report", str(report_dir)]) == 0
+    assert list(RenewableHuberRegressor.load(model).feature_names_in_) == FEATURES
+    assert_same_stream(model, data["X"], data["y"], [N_ROWS], w=data["w"])
+    report = json.loads((report_dir / "report.json").read_text())
+    assert report["data"]["exclude"] == ["id"] and report["data"]["features"] == FEATURES
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (["--exclude", "id", "nope"], r"columns to exclude \['nope'\] are not in"),
+        (["--features", "f0", "id", "--exclude", "id"], r"columns \['id'\] are both features"),
+    ],
+)
+def test_fit_refuses_unknown_or_contradictory_exclusions(data, tmp_path, capsys, extra, message):
+    source = tmp_path / "with-id.csv"
+    data["frame"].assign(id=1.0).to_csv(source, index=False)
+    model = tmp_path / "model.npz"
+    argv = ["fit", "--input", str(source), "--target", "y", *extra, "--output", str(model)]
+    assert main(argv) == EXIT_INPUT
+    assert re.search(message, capsys.readouterr().err)
+    assert not model.exists()
+
+
+def test_exclusions_of_arrays_and_zarr_groups_are_checked(data):
+    with pytest.raises(InputError, match="out of range"):
+        open_table(data["root"] / "rows-0.npy", target="-1", exclude=["9"])
+    with pytest.raises(InputError, match="both features and excluded"):
+        open_table(data["root"] / "rows-0.npy", target="-1", features=["0:2"], exclude=["1"])
+    with pytest.raises(InputError, match=r"columns to exclude \['Z'\]"):
+        open_table(data["root"] / "arrays.zarr", target="y", exclude=["Z"])
+    table = open_table(data["root"] / "rows-0.npy", target="-1", exclude=["0"])
+    assert table.feature_names == ["x1", "x2"]
+
+
+def test_a_header_only_csv_is_reported_as_having_no_rows(data, tmp_path):
+    empty = tmp_path / "empty.csv"
+    empty.write_text("f0,f1,y\n")
+    with pytest.raises(InputError, match=r"'.*empty\.csv' has no rows: it holds a header only"):
+        open_table(empty, target="y")
+    data["frame"].to_csv(tmp_path / "full.csv", index=False)
+    with pytest.raises(InputError, match=r"empty\.csv', the first file of .* has no rows"):
+        open_table(tmp_path / "[ef]*.csv", target="y")
+    # A real text column is still reported as one.
+    text = tmp_path / "text.csv"
+    text.write_text("a,s,y\n1,x,2\n")
+    with pytest.raises(InputError, match=r"column 's'.*not numbers"):
+        open_table(text, target="y")
+
+
+def test_data_files_count_files_not_paths(data, tmp_path):
+    root = data["root"]
+    assert open_table(root / "table.parquet", target="y").description["files"] == 3
+    assert open_table(root / "rows-*.npy", target="-1").description["files"] == 2
+    assert open_table(root / "arrays.zarr", target="y").description["files"] == 1
+    # Parquet dataset conventions: partition directories walked, _/. files are not data.
+    dataset = tmp_path / "parts"
+    for i, key in enumerate(("a", "a", "b")):
+        (dataset / f"k={key}").mkdir(parents=True, exist_ok=True)
+        data["frame"].iloc[:10].to_parquet(dataset / f"k={key}" / f"part-{i}.parquet")
+    (dataset / "_SUCCESS").write_text("")
+    (dataset / "k=a" / ".part-0.parquet.crc").write_text("")
+    assert len(input_files(dataset, "parquet")) == 3
+
+
+def test_row_counts_come_from_metadata(data, tmp_path):
+    root = data["root"]
+    parquet = open_table(root / "table.parquet", target="y")
+    count = input_rows(parquet, input_files(root / "table.parquet"))
+    assert (count.rows, count.exact) == (N_ROWS, True)
+    assert input_rows(parquet, input_files(root / "table.parquet"), limit=500).rows == 800
+    npy = open_table(root / "rows-*.npy", target="-1")
+    assert input_rows(npy, input_files(root / "rows-*.npy")).rows == N_ROWS
+    csv = open_table(root / "table.csv", target="y")
+    estimate = input_rows(csv, input_files(root / "table.csv"))
+    assert not estimate.exact and abs(estimate.rows - N_ROWS) < 0.05 * N_ROWS
+    gz = tmp_path / "table.csv.gz"
+    data["frame"].to_csv(gz, index=False)
+    assert input_rows(open_table(gz, target="y"), [str(gz)]) is None  # no cheap count
+
+
+# -- the scheduler a command uses ------------------------------------------------------------
+def test_a_small_input_runs_in_process_and_says_so(data, tmp_path, capsys):
+    model = tmp_path / "model.npz"
+    argv = ["fit", "--input", str(data["root"] / "table.parquet"), "--target", "y"]
+    assert main([*argv, "--features", *FEATURES, "--output", str(model)]) == 0
+    first = capsys.readouterr().out.splitlines()[0]
+    limit = in_process_max_rows()
+    assert first == (
+        f"in-process: {N_ROWS:,} rows below the cluster threshold ({limit:,}); "
+        "--scheduler local to force a cluster"
+    )
+    assert RenewableHuberRegressor.load(model).n_samples_seen_ == N_ROWS
+
+
+@pytest.mark.parametrize(
+    ("setting", "extra", "expected"),
+    [
+        (N_ROWS + 1, [], "none"),
+        (N_ROWS, [], "local"),  # at the threshold: a cluster
+        (0, [], "local"),
+        (10**9, ["--workers", "2"], "local"),  # a local-cluster option asks for one
+        (10**9, ["--loader", "cluster"], "local"),
+        (10**9, ["--scheduler", "local"], "local"),
+        (0, ["--scheduler", "none"], "none"),
+    ],
+)
+def test_auto_scheduler_follows_the_setting_and_the_options(data, setting, extra, expected):
+    from rh_dask.cli import _choose_scheduler
+
+    path = str(data["root"] / "table.parquet")
+    args = build_parser().parse_args(
+        ["fit", "--input", path, "--target", "y", "--output", "m.npz", *extra]
+    )
+    table = open_table(path, target="y")
+    with dask.config.set({IN_PROCESS_MAX_ROWS: setting}):
+        assert _choose_scheduler(args, table)[0] == expected
+
+
+def test_auto_scheduler_starts_a_gpu_cluster_where_local_means_one(data, monkeypatch):
+    """The threshold was measured against CPU clusters; a GPU cluster brings the GPU engine."""
+    import rh_dask.connect
+    from rh_dask.cli import _choose_scheduler
+
+    path = str(data["root"] / "table.parquet")
+    args = build_parser().parse_args(["fit", "--input", path, "--target", "y", "--output", "m"])
+    table = open_table(path, target="y")
+    assert _choose_scheduler(args, table)[0] == "none"
+    monkeypatch.setattr(rh_dask.connect, "gpu_count", lambda: 1)
+    assert _choose_scheduler(args, table) == ("local", None)
+
+
+def test_the_threshold_is_a_dask_setting_with_an_environment_variable(data, tmp_path):
+    import yaml
+
+    packaged = Path(rh_dask.settings.__file__).with_name("rh-dask.yaml")
+    default = yaml.safe_load(packaged.read_text())["rh-dask"]["cli"]["in-process-max-rows"]
+    program = f"import dask, rh_dask; print(dask.config.get({IN_PROCESS_MAX_ROWS!r}))"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DASK_")}
+    loaded = subprocess.run(
+        [sys.executable, "-c", program], capture_output=True, text=True, env=env, timeout=120
+    )
+    assert loaded.stdout.strip() == str(default) and default > 0, loaded.stderr  # on import
+    env["DASK_RH_DASK__CLI__IN_PROCESS_MAX_ROWS"] = "1234"
+    result = subprocess.run(
+        [sys.executable, "-c", program], capture_output=True, text=True, env=env, timeout=120
+    )
+    assert result.stdout.strip() == "1234", result.stderr
+    with dask.config.set({IN_PROCESS_MAX_ROWS: 77}):
+        assert in_process_max_rows() == 77
+    env["DASK_RH_DASK__CLI__IN_PROCESS_MAX_ROWS"] = "many"
+    argv = ["fit", "--input", str(data["root"] / "table.csv"), "--target", "y"]
+    bad = subprocess.run(
+        [sys.executable, "-m", "rh_dask", *argv, "--output", str(tmp_path / "m.npz")],
+        capture_output=True, text=True, env=env, timeout=120,
+    )  # fmt: skip
+    assert bad.returncode == EXIT_USAGE
+    assert bad.stderr.splitlines() == [
+        "rh-dask: error: setting rh-dask.cli.in-process-max-rows "
+        "(DASK_RH_DASK__CLI__IN_PROCESS_MAX_ROWS) must be a whole number >= 0, got 'many'"
+    ]
+    assert not (tmp_path / "m.npz").exists()
+
+
+def test_dashboard_needs_a_cluster(data, tmp_path, capsys):
+    argv = ["fit", "--input", str(data["root"] / "table.csv"), "--target", "y"]
+    with pytest.raises(SystemExit) as exit_:
+        main([*argv, "--output", str(tmp_path / "m.npz"), "--scheduler", "none", "--dashboard"])
+    assert exit_.value.code == EXIT_USAGE
+    assert "--dashboard needs a cluster" in capsys.readouterr().err
+
+
+# -- the local cluster ---------------------------------------------------------------------
+def test_local_cluster_is_quiet_without_a_dashboard_and_prints_one_when_asked(data, tmp_path):
+    """A taken port 8787 (distributed's dashboard default) gives no warning; --dashboard
+    serves one and prints its link."""
+    holder = socket.socket()
+    try:
+        holder.bind(("127.0.0.1", 8787))
+        holder.listen()
+    except OSError:
+        pass  # taken already: the case under test
+    try:
+        argv = ["fit", "--input", str(data["root"] / "table.parquet"), "--target", "y"]
+        argv += ["--output", str(tmp_path / "m.npz"), "--workers", "1"]
+        quiet = run_cli(*argv, cwd=tmp_path, warnings=True)
+        assert quiet.returncode == 0, quiet.stderr
+        assert quiet.stderr == ""
+        assert quiet.stdout.startswith("cluster: local at tcp://127.0.0.1:")
+        assert "dashboard" not in quiet.stdout
+        shown = run_cli(*argv, "--dashboard", "127.0.0.1:0", cwd=tmp_path, warnings=True)
+        assert shown.returncode == 0, shown.stderr
+        assert re.search(r"^dashboard: http://127\.0\.0\.1:\d+/status", shown.stdout, re.M)
+    finally:
+        holder.close()
+
+
+def _listening(process) -> set[tuple[str, int]]:
+    import psutil
+
+    return {
+        (c.laddr.ip, c.laddr.port)
+        for c in process.net_connections(kind="inet")
+        if c.status == psutil.CONN_LISTEN
+    }
+
+
+def test_local_cluster_listens_on_loopback_only():
+    """Scheduler, nannies, workers and their HTTP servers: 127.0.0.1, never 0.0.0.0."""
+    import psutil
+
+    from rh_dask.connect import open_cluster
+
+    me = psutil.Process()
+    before = _listening(me)
+    with open_cluster("local", n_workers=2, threads_per_worker=1) as session:
+        children = me.children(recursive=True)
+        addresses = _listening(me) - before
+        for child in children:
+            addresses |= _listening(child)
+        assert session.cluster.scheduler.http_server is not None
+    assert len(addresses) >= 5  # scheduler, its HTTP server, 2 nannies, 2 workers...
+    assert {ip for ip, _ in addresses} == {"127.0.0.1"}, addresses
+
+
+def _lines(stream, sink: queue.Queue) -> None:
+    for line in stream:
+        sink.put(line)
+    sink.put(None)
+
+
+def test_ctrl_c_on_the_default_local_cluster_is_one_line_and_prompt(tmp_path):
+    """SIGINT to the process group, as a terminal sends it, in the middle of a fit."""
+    spec = StreamSpec(n_features=4, seed=11)
+    X, y = spec.chunk(0, 400_000)
+    np.save(tmp_path / "rows.npy", np.column_stack([X, y]))  # 2,000 chunks: seconds of fit
+    model = tmp_path / "model.npz"
+    argv = ["fit", "--input", "rows.npy", "--target", "-1", "--chunk-rows", "200"]
+    argv += ["--output", str(model), "--scheduler", "local"]
+    process = subprocess.Popen(
+        [sys.executable, "-m", "rh_dask", *argv],
+        cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        start_new_session=True,
+    )  # fmt: skip
+    out: queue.Queue = queue.Queue()
+    err: queue.Queue = queue.Queue()
+    readers = [
+        threading.Thread(target=_lines, args=(process.stdout, out), daemon=True),
+        threading.Thread(target=_lines, args=(process.stderr, err), daemon=True),
+    ]
+    for reader in readers:
+        reader.start()
+    try:
+        first = out.get(timeout=120)
+        assert first is not None and first.startswith("cluster: local at"), first
+        time.sleep(1.5)  # the fit is under way
+        os.killpg(process.pid, signal.SIGINT)
+        signalled = time.monotonic()
+        code = process.wait(timeout=60)
+        elapsed = time.monotonic() - signalled
+        for reader in readers:
+            reader.join(timeout=30)
+        stdout = "".join(iter(out.get_nowait, None))
+        stderr = "".join(iter(err.get_nowait, None))
+        assert code == EXIT_INTERRUPTED, stderr
+        assert stderr.splitlines() == ["rh-dask: interrupted"], stderr
+        assert "fitted" not in stdout and not model.exists()  # interrupted mid-fit
+        assert elapsed < 10, elapsed
+        # The worker processes are gone too (none left in the process group).
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                os.killpg(process.pid, 0)
+            except ProcessLookupError:
+                break
+            assert time.monotonic() < deadline, "worker processes outlived the command"
+            time.sleep(0.2)
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
 
 
 # -- the documentation keeps up --------------------------------------------------------------
