@@ -1,6 +1,6 @@
-"""``python -m rh_dask``: the ``rh-dask`` command line."""
+"""``python -m rh_dask``: the ``rh-dask`` command line (:mod:`rh_dask.app.cli`)."""
 
-from .cli import main
+from .app.cli import main
 
 # The guard matters: local clusters start worker processes that import __main__.
 if __name__ == "__main__":

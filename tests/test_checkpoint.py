@@ -414,7 +414,7 @@ def test_a_forged_shape_matching_forged_metadata_is_refused_by_the_file_size(sav
 
 
 def test_rh_dask_info_reports_a_forged_checkpoint_as_bad_input(saved, tmp_path, capsys):
-    from rh_dask.cli import main
+    from rh_dask.app.cli import main
 
     path, _ = saved
     forged = _forge_member(path, tmp_path / "huge.npz", "information", (10**6, 10**6))

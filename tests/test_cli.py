@@ -29,8 +29,7 @@ from threadpoolctl import threadpool_limits
 
 import rh_dask.settings
 from rh_dask import RenewableHuberRegressor
-from rh_dask.checkpoint import load_checkpoint
-from rh_dask.cli import (
+from rh_dask.app.cli import (
     EXIT_CLUSTER,
     EXIT_ENGINE,
     EXIT_INPUT,
@@ -40,11 +39,12 @@ from rh_dask.cli import (
     build_parser,
     main,
 )
+from rh_dask.app.io import InputError, detect_format, input_files, open_table, write_predictions
+from rh_dask.app.jobs import fit_table
+from rh_dask.app.sizing import input_rows
+from rh_dask.checkpoint import load_checkpoint
 from rh_dask.datasets import StreamSpec
-from rh_dask.io import InputError, detect_format, input_files, open_table, write_predictions
-from rh_dask.jobs import fit_table
 from rh_dask.settings import IN_PROCESS_MAX_ROWS, in_process_max_rows
-from rh_dask.sizing import input_rows
 
 FEATURES = ["f0", "f1", "f2"]
 N_ROWS = 1200
@@ -246,7 +246,7 @@ def test_report_has_a_trajectory_point_per_non_empty_chunk(data, tmp_path):
 
 
 def test_lookahead_default_is_the_estimator_s():
-    from rh_dask.cli import build_parser
+    from rh_dask.app.cli import build_parser
 
     args = build_parser().parse_args(["fit", "--input", "x", "--target", "y", "--output", "m"])
     assert args.lookahead == RenewableHuberRegressor().get_params()["lookahead"]
@@ -344,7 +344,7 @@ def test_failures_exit_with_their_code_and_one_line(
     if case == "missing-extra":
         # A fresh interpreter in which zarr cannot be imported.
         program = (
-            "import sys; sys.modules['zarr'] = None; from rh_dask.cli import main; "
+            "import sys; sys.modules['zarr'] = None; from rh_dask.app.cli import main; "
             f"raise SystemExit(main({argv!r}))"
         )
         result = subprocess.run(
@@ -619,7 +619,7 @@ def test_a_small_input_runs_in_process_and_says_so(data, tmp_path, capsys):
     ],
 )
 def test_auto_scheduler_follows_the_setting_and_the_options(data, setting, extra, expected):
-    from rh_dask.cli import _choose_scheduler
+    from rh_dask.app.cli import _choose_scheduler
 
     path = str(data["root"] / "table.parquet")
     args = build_parser().parse_args(
@@ -632,14 +632,14 @@ def test_auto_scheduler_follows_the_setting_and_the_options(data, setting, extra
 
 def test_auto_scheduler_starts_a_gpu_cluster_where_local_means_one(data, monkeypatch):
     """The threshold was measured against CPU clusters; a GPU cluster brings the GPU engine."""
-    import rh_dask.connect
-    from rh_dask.cli import _choose_scheduler
+    import rh_dask.app.cluster
+    from rh_dask.app.cli import _choose_scheduler
 
     path = str(data["root"] / "table.parquet")
     args = build_parser().parse_args(["fit", "--input", path, "--target", "y", "--output", "m"])
     table = open_table(path, target="y")
     assert _choose_scheduler(args, table)[0] == "none"
-    monkeypatch.setattr(rh_dask.connect, "gpu_count", lambda: 1)
+    monkeypatch.setattr(rh_dask.app.cluster, "gpu_count", lambda: 1)
     assert _choose_scheduler(args, table) == ("local", None)
 
 
@@ -722,7 +722,7 @@ def test_local_cluster_listens_on_loopback_only():
     """Scheduler, nannies, workers and their HTTP servers: 127.0.0.1, never 0.0.0.0."""
     import psutil
 
-    from rh_dask.connect import open_cluster
+    from rh_dask.app.cluster import open_cluster
 
     me = psutil.Process()
     before = _listening(me)
@@ -802,7 +802,7 @@ def test_api_reference_covers_every_option_and_public_name():
     import argparse
 
     import rh_dask
-    from rh_dask.cli import build_parser
+    from rh_dask.app.cli import build_parser
 
     text = (DOCS / "api.md").read_text()
     parser = build_parser()

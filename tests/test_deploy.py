@@ -23,7 +23,7 @@ import pandas as pd
 import pytest
 import yaml
 
-from rh_dask.cli import EXIT_ENGINE, build_parser
+from rh_dask.app.cli import EXIT_ENGINE, build_parser
 from rh_dask.datasets import StreamSpec
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -11,11 +11,11 @@ import numpy as np
 import pytest
 
 from rh_dask import RenewableHuberRegressor
+from rh_dask.app.extras import MissingExtraError
+from rh_dask.app.io import Table
+from rh_dask.app.jobs import fit_table, resolve_engine
+from rh_dask.app.report import REPORT_FILES, _jsonable, build_report, write_report
 from rh_dask.datasets import StreamSpec
-from rh_dask.extras import MissingExtraError
-from rh_dask.io import Table
-from rh_dask.jobs import fit_table, resolve_engine
-from rh_dask.report import REPORT_FILES, _jsonable, build_report, write_report
 
 PNG = b"\x89PNG\r\n\x1a\n"
 
@@ -166,7 +166,7 @@ def test_report_json_and_plots(tmp_path):
 
 
 def test_plots_survive_an_empty_report(tmp_path):
-    from rh_dask import plots
+    from rh_dask.app import plots
 
     empty = {"names": [], "after_chunk": [], "rows": [], "engine_seconds": [], "coefficients": []}
     for path in (
@@ -178,7 +178,7 @@ def test_plots_survive_an_empty_report(tmp_path):
 
 
 def test_many_features_draw_the_largest_and_the_intercept(tmp_path):
-    from rh_dask import plots
+    from rh_dask.app import plots
 
     names = [f"x{j}" for j in range(30)] + ["(intercept)"]
     betas = np.linspace(-1, 1, 31)[None, :].repeat(2, axis=0)
@@ -187,7 +187,7 @@ def test_many_features_draw_the_largest_and_the_intercept(tmp_path):
 
 
 def test_long_streams_are_thinned_for_plotting_only(tmp_path):
-    from rh_dask import plots
+    from rh_dask.app import plots
 
     kept = plots._thin(5_000)
     assert len(kept) <= plots.MAX_POINTS and kept[0] == 0 and kept[-1] == 4_999

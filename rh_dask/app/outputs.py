@@ -3,7 +3,7 @@
 A fit that runs for an hour and then cannot save its model has wasted the
 hour; so each command checks every path it will write (the model, the report
 directory and its files, predictions, the demo's data) before it opens a
-cluster or reads data, and refuses with :class:`~rh_dask.io.InputError`
+cluster or reads data, and refuses with :class:`~rh_dask.app.io.InputError`
 (exit code 3) and a one-line reason. The checks write nothing that stays: a
 directory's writability is tested by creating and removing a temporary file
 in it, which is the only test that also holds for root and for read-only

@@ -17,8 +17,8 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from .datasets import StreamSpec
-from .distributed.chunks import stable_partitions
+from ..datasets import StreamSpec
+from ..distributed.chunks import stable_partitions
 from .io import Table
 
 __all__ = ["DemoComparison", "compare", "least_squares", "write_stream"]

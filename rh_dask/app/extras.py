@@ -9,7 +9,7 @@ from __future__ import annotations
 import importlib
 from types import ModuleType
 
-from .exceptions import RhDaskError
+from ..exceptions import RhDaskError
 
 __all__ = ["MissingExtraError", "require"]
 

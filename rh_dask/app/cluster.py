@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Any
 
-from .exceptions import RhDaskError
+from ..exceptions import RhDaskError
 
 __all__ = ["ClusterError", "ClusterSession", "gpu_count", "open_cluster"]
 

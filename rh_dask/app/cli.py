@@ -32,8 +32,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from ._version import __version__
-from .exceptions import (
+from .._version import __version__
+from ..exceptions import (
     CheckpointError,
     EngineUnavailableError,
     StreamError,
@@ -144,7 +144,7 @@ def _add_cluster_options(parser: argparse.ArgumentParser, *, default: str) -> No
 
 def _estimator_default(name: str) -> Any:
     """The estimator's own default of parameter ``name``, so that the two never drift apart."""
-    from .estimator import RenewableHuberRegressor
+    from ..estimator import RenewableHuberRegressor
 
     return RenewableHuberRegressor().get_params()[name]
 
@@ -345,12 +345,12 @@ def _choose_scheduler(args: argparse.Namespace, table: Any) -> tuple[str, str | 
         return "local", None
     if getattr(args, "loader", "auto") != "auto":
         return "local", None
-    from .connect import gpu_count
+    from .cluster import gpu_count
 
     if gpu_count() > 0:
         return "local", None
+    from ..settings import in_process_max_rows
     from .io import input_files
-    from .settings import in_process_max_rows
     from .sizing import input_rows
 
     limit = in_process_max_rows()
@@ -367,7 +367,7 @@ def _choose_scheduler(args: argparse.Namespace, table: Any) -> tuple[str, str | 
 
 def _session(args: argparse.Namespace, table: Any = None) -> Any:
     """Open the cluster of the command and say on stdout what it is."""
-    from .connect import open_cluster
+    from .cluster import open_cluster
 
     scheduler, note = _choose_scheduler(args, table)
     session = open_cluster(
@@ -406,7 +406,7 @@ def _dashboard_line(session: Any) -> str:
 
 
 def _estimator(args: argparse.Namespace, engine: str) -> Any:
-    from .estimator import RenewableHuberRegressor
+    from ..estimator import RenewableHuberRegressor
 
     return RenewableHuberRegressor(
         tau=args.tau,
@@ -529,7 +529,7 @@ def _cmd_fit(args: argparse.Namespace, argv: Sequence[str]) -> int:
 
 
 def _cmd_predict(args: argparse.Namespace, argv: Sequence[str]) -> int:
-    from .estimator import RenewableHuberRegressor
+    from ..estimator import RenewableHuberRegressor
     from .io import InputError, open_table, output_format, write_predictions
     from .outputs import check_dataset, check_file
 
@@ -564,7 +564,7 @@ def _cmd_predict(args: argparse.Namespace, argv: Sequence[str]) -> int:
 
 
 def _cmd_info(args: argparse.Namespace, argv: Sequence[str]) -> int:
-    from .checkpoint import load_checkpoint
+    from ..checkpoint import load_checkpoint
 
     ckpt = load_checkpoint(args.model)
     state = ckpt.state
@@ -609,8 +609,8 @@ def _cmd_info(args: argparse.Namespace, argv: Sequence[str]) -> int:
 def _cmd_demo(args: argparse.Namespace, argv: Sequence[str]) -> int:
     import shutil
 
-    from .cluster_demo import compare, write_stream
-    from .datasets import StreamSpec
+    from ..datasets import StreamSpec
+    from .demo import compare, write_stream
     from .extras import require
     from .io import open_table
     from .outputs import check_directory
@@ -671,10 +671,10 @@ def _cmd_demo(args: argparse.Namespace, argv: Sequence[str]) -> int:
 
 # -- errors and the entry point ---------------------------------------------------------------
 def _exit_code(exc: BaseException) -> int:
-    from .connect import ClusterError
+    from ..settings import SettingError
+    from .cluster import ClusterError
     from .extras import MissingExtraError
     from .io import InputError
-    from .settings import SettingError
 
     if isinstance(exc, SettingError):
         return EXIT_USAGE
@@ -691,7 +691,7 @@ def _exit_code(exc: BaseException) -> int:
 
 def _is_actor_lost(exc: BaseException) -> bool:
     try:
-        from .distributed import ActorLostError
+        from ..distributed import ActorLostError
     except ImportError:  # a broken environment (the error being reported) must not crash here
         return False
     return isinstance(exc, ActorLostError)

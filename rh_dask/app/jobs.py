@@ -1,6 +1,6 @@
 """The fit job behind ``rh-dask fit`` and ``rh-dask demo``.
 
-One job: take a :class:`~rh_dask.io.Table`, fit it with the estimator (on
+One job: take a :class:`~rh_dask.app.io.Table`, fit it with the estimator (on
 the active ``distributed`` client, if any) in one call, and keep what a
 report needs.
 
@@ -20,9 +20,9 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from .distributed.chunks import stable_partitions
-from .estimator import RenewableHuberRegressor
-from .exceptions import EngineUnavailableError
+from ..distributed.chunks import stable_partitions
+from ..estimator import RenewableHuberRegressor
+from ..exceptions import EngineUnavailableError
 from .io import Table
 
 __all__ = ["FitOutcome", "Trajectory", "fit_table", "resolve_engine"]

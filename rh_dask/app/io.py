@@ -34,7 +34,7 @@ from typing import Any
 import numpy as np
 from dask.utils import natural_sort_key
 
-from .exceptions import RhDaskError
+from ..exceptions import RhDaskError
 from .extras import require
 
 __all__ = [

@@ -75,9 +75,9 @@ def input_rows(table: Table, files: list[str], limit: int | None = None) -> RowC
     Parameters
     ----------
     table : Table
-        The opened input (:func:`rh_dask.io.open_table`).
+        The opened input (:func:`rh_dask.app.io.open_table`).
     files : list of str
-        Its files (:func:`rh_dask.io.input_files`).
+        Its files (:func:`rh_dask.app.io.input_files`).
     limit : int, optional
         Stop counting Parquet footers once this many rows are reached.
     """

@@ -17,7 +17,7 @@ Version 2 (this one) records the trajectory per batch, from the estimator's
 wall-clock ``elapsed_seconds`` and a list of ``placements``, one per segment.
 
 The plots need matplotlib (the ``report`` extra); without it
-:func:`write_report` raises :class:`~rh_dask.extras.MissingExtraError`
+:func:`write_report` raises :class:`~rh_dask.app.extras.MissingExtraError`
 before writing anything.
 """
 
@@ -34,7 +34,7 @@ from typing import Any
 
 import numpy as np
 
-from ._version import __version__
+from .._version import __version__
 from .extras import require
 from .jobs import FitOutcome
 
@@ -140,7 +140,7 @@ def build_report(
     outcome : FitOutcome
         The fitted model, its history and trajectory.
     data : dict
-        Description of the input (:attr:`rh_dask.io.Table.description`).
+        Description of the input (:attr:`rh_dask.app.io.Table.description`).
     feature_names : list of str
         Display names of the features.
     session : ClusterSession, optional
