@@ -16,7 +16,8 @@ threads should run meanwhile. Host-to-device copies through here must come
 from page-locked memory (from pageable memory the driver copies
 synchronously, which would hold the lock for the whole copy).
 
-:data:`HOLD_GIL` switches back to CuPy's bindings (benchmarks compare both).
+:class:`DriverCalls` with ``hold_gil=False`` uses CuPy's bindings instead
+(benchmarks compare both; ``GpuEngine(hold_gil=...)`` passes the choice down).
 """
 
 from __future__ import annotations
@@ -24,16 +25,8 @@ from __future__ import annotations
 import ctypes
 import sys
 import threading
-import time
 from types import ModuleType
 from typing import Any
-
-#: Make the queueing calls through ``PyDLL`` (keeping the interpreter lock).
-#: Read when an engine is created.
-HOLD_GIL = True
-#: Before a synchronisation releases the lock, poll the stream for up to this
-#: long while keeping it (0: release at once). Read when an engine is created.
-SYNC_SPIN_SECONDS = 0.0
 
 _CUDA_SUCCESS = 0
 _CUDA_ERROR_INVALID_CONTEXT = 201
@@ -68,7 +61,6 @@ def _driver_library() -> Any:
             "cuMemcpyHtoDAsync_v2": [ull, vp, sz, vp],
             "cuStreamWaitEvent": [vp, vp, u],
             "cuEventQuery": [vp],
-            "cuStreamQuery": [vp],
         }
         try:
             for fname, argtypes in signatures.items():
@@ -85,7 +77,7 @@ def _driver_library() -> Any:
 class DriverCalls:
     """The engine's queueing CUDA calls, bound once per engine.
 
-    With :data:`HOLD_GIL` (and a loadable driver library) they go through
+    With ``hold_gil`` (and a loadable driver library) they go through
     ``PyDLL`` and keep the interpreter lock; otherwise through CuPy's
     bindings, which release it. Results are identical either way: the same
     work is queued on the same streams in the same order.
@@ -94,13 +86,16 @@ class DriverCalls:
     ----------
     cp : module
         CuPy (for its error type and the fallback bindings).
+    hold_gil : bool, default=True
+        Make the queueing calls through the driver library, keeping the
+        interpreter lock. :attr:`holds_gil` says whether they do (False
+        when the library cannot be loaded).
     """
 
-    def __init__(self, cp: ModuleType) -> None:
+    def __init__(self, cp: ModuleType, hold_gil: bool = True) -> None:
         self._cp = cp
-        self._lib = _driver_library() if HOLD_GIL else None
+        self._lib = _driver_library() if hold_gil else None
         self.holds_gil = self._lib is not None
-        self._spin = float(SYNC_SPIN_SECONDS) if self._lib is not None else 0.0
         if self._lib is not None:
             lib = self._lib
             self._launch = lib.cuLaunchKernel
@@ -108,7 +103,6 @@ class DriverCalls:
             self._htod = lib.cuMemcpyHtoDAsync_v2
             self._wait = lib.cuStreamWaitEvent
             self._event_query = lib.cuEventQuery
-            self._stream_query = lib.cuStreamQuery
         else:
             self._launch = cp.cuda.driver.launchKernel
 
@@ -172,69 +166,14 @@ class DriverCalls:
         return True
 
     def synchronize(self, stream: Any) -> None:
-        """Block until everything queued on a ``cupy.cuda.Stream`` has run."""
-        if self._spin > 0.0:
-            deadline = time.perf_counter() + self._spin
-            while True:
-                status = self._call(self._stream_query, stream.ptr)
-                if status != _CUDA_ERROR_NOT_READY:
-                    self._check(status)
-                    return
-                if time.perf_counter() > deadline:
-                    break
+        """Block until everything queued on a ``cupy.cuda.Stream`` has run.
+
+        The wait releases the interpreter lock (CuPy's binding): other
+        threads run while the device works.
+        """
         stream.synchronize()
 
     def event_wait(self, event: Any) -> None:
         """Block until a ``cupy.cuda.Event`` completes; no lock hand-over if it already has."""
         if not self.event_done(event.ptr):
             event.synchronize()
-
-
-class CapturedGraph:
-    """A CUDA graph captured from a stream, launched through :class:`DriverCalls`.
-
-    ``cupy.cuda.Graph`` keeps its executable handle private, so the engine
-    captures and instantiates through CuPy's runtime bindings itself and owns
-    the handles.
-
-    Parameters
-    ----------
-    cp : module
-        CuPy.
-    calls : DriverCalls
-        Launches the graph.
-    stream : cupy.cuda.Stream
-        The stream to capture from (not the legacy default stream).
-    body : callable
-        Queues the work to capture on ``stream``.
-    """
-
-    def __init__(self, cp: ModuleType, calls: DriverCalls, stream: Any, body: Any) -> None:
-        rt = cp.cuda.runtime
-        self._rt = rt
-        self._calls = calls
-        self._graph = self._exec = 0
-        # Relaxed, as CuPy's own capture: nothing in the bodies is an unsafe call.
-        rt.streamBeginCapture(stream.ptr, rt.streamCaptureModeRelaxed)
-        try:
-            body()
-        finally:
-            self._graph = rt.streamEndCapture(stream.ptr)
-        self._exec = rt.graphInstantiate(self._graph)
-
-    def launch(self, stream: int) -> None:
-        self._calls.graph_launch(self._exec, stream)
-
-    def close(self) -> None:
-        if self._exec:
-            self._rt.graphExecDestroy(self._exec)
-            self._exec = 0
-        if self._graph:
-            self._rt.graphDestroy(self._graph)
-            self._graph = 0
-
-    def __del__(self) -> None:  # pragma: no cover - interpreter shutdown order varies
-        try:
-            self.close()
-        except Exception:
-            pass

@@ -9,18 +9,14 @@ No fast-math option is passed: float32 and float64 arithmetic stay IEEE.
 
 from __future__ import annotations
 
-import ctypes
 import threading
 from pathlib import Path
 from types import ModuleType
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
 from . import layout
-
-if TYPE_CHECKING:
-    from .driver import DriverCalls
 
 SOURCE = Path(__file__).with_name("kernels") / "huber.cu"
 
@@ -86,53 +82,3 @@ def get_kernels(cp: ModuleType, device_id: int, dtype: np.dtype) -> Kernels:
             kernels = Kernels(cp, device_id, dtype)
             _CACHE[key] = kernels
         return kernels
-
-
-class Launch:
-    """One kernel launch with its parameters packed once.
-
-    CuPy's ``RawKernel.__call__`` inspects and converts every argument on
-    every call (several microseconds for a dozen arguments); the iteration
-    kernels are launched with the same arguments thousands of times, so they
-    are packed into a ctypes parameter block once and launched through
-    ``cuLaunchKernel`` directly (:class:`gpu_engine.driver.DriverCalls`).
-    Every parameter of these kernels is 8 bytes (a pointer or a ``long long``).
-
-    Parameters
-    ----------
-    calls : DriverCalls
-        Makes the launch.
-    kernel : cupy.RawKernel
-        The kernel (its device's context must be current).
-    grid, block : int
-        One-dimensional launch shape.
-    args : sequence
-        CuPy arrays (passed as device pointers) and Python ints.
-    shared_mem : int
-        Dynamic shared memory in bytes.
-    """
-
-    __slots__ = ("_block", "_calls", "_fptr", "_grid", "_params", "_ptrs", "_shared", "_values")
-
-    def __init__(
-        self,
-        calls: DriverCalls,
-        kernel: Any,
-        grid: int,
-        block: int,
-        args: Any,
-        shared_mem: int = 0,
-    ) -> None:
-        values = [int(a.data.ptr) if hasattr(a, "data") else int(a) for a in args]
-        self._values = (ctypes.c_int64 * len(values))(*values)
-        base = ctypes.addressof(self._values)
-        self._ptrs = (ctypes.c_void_p * len(values))(*[base + 8 * i for i in range(len(values))])
-        self._params = ctypes.addressof(self._ptrs)
-        self._fptr = int(kernel.kernel.ptr)
-        self._calls = calls
-        self._grid, self._block, self._shared = int(grid), int(block), int(shared_mem)
-
-    def __call__(self, stream_ptr: int) -> None:
-        self._calls.launch(
-            self._fptr, self._grid, self._block, self._shared, stream_ptr, self._params
-        )

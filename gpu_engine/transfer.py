@@ -377,8 +377,8 @@ class HostStager:
     threads : int
         Threads copying pageable rows into pinned memory in parallel.
     calls : DriverCalls, optional
-        Queues the copies and stream waits (default: the engine's choice,
-        :data:`gpu_engine.driver.HOLD_GIL`).
+        Queues the copies and stream waits (the engine passes its own;
+        default: a :class:`DriverCalls` that keeps the interpreter lock).
     """
 
     def __init__(

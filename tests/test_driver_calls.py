@@ -69,8 +69,6 @@ def library(monkeypatch):
     log: list = []
     lib = _Library(log)
     monkeypatch.setattr(driver, "_LIBRARY", lib)
-    monkeypatch.setattr(driver, "HOLD_GIL", True)
-    monkeypatch.setattr(driver, "SYNC_SPIN_SECONDS", 0.0)
     return lib
 
 
@@ -122,18 +120,22 @@ def test_event_wait_blocks_only_when_the_event_is_pending(library):
         calls.event_wait(_Event(3))
 
 
-def test_synchronize_polls_before_releasing_the_lock_when_asked(library, monkeypatch):
-    monkeypatch.setattr(driver, "SYNC_SPIN_SECONDS", 10.0)
+def test_synchronize_waits_on_the_stream_without_a_driver_call(library):
     calls = driver.DriverCalls(_fake_cupy([]))
     stream = _Event(9)  # has .ptr and .synchronize, like a stream
-    library.statuses["cuStreamQuery"] = [600, 600, 0]
-    calls.synchronize(stream)
-    assert [name for name, _ in library.log] == ["cuStreamQuery"] * 3
-    assert stream.synchronized == 0
-    monkeypatch.setattr(driver, "SYNC_SPIN_SECONDS", 0.0)
-    calls = driver.DriverCalls(_fake_cupy([]))
     calls.synchronize(stream)
     assert stream.synchronized == 1
+    assert library.log == []  # the wait goes through CuPy, which releases the lock
+
+
+def test_hold_gil_false_uses_cupys_bindings_even_with_the_library(library):
+    cupy_log: list = []
+    calls = driver.DriverCalls(_fake_cupy(cupy_log), hold_gil=False)
+    assert not calls.holds_gil
+    calls.launch(11, 4, 256, 0, 7, 99)
+    calls.stream_wait(7, 3)
+    assert [name for name, _ in cupy_log] == ["launchKernel", "streamWaitEvent"]
+    assert library.log == []
 
 
 def test_without_the_library_or_when_switched_off_cupys_bindings_are_used(monkeypatch):
@@ -141,9 +143,8 @@ def test_without_the_library_or_when_switched_off_cupys_bindings_are_used(monkey
     monkeypatch.setattr(driver, "_LOAD_ERROR", None)
     monkeypatch.setattr(driver, "_LIBRARY_NAMES", ("librh-dask-no-such-driver.so",))
     for hold in (True, False):
-        monkeypatch.setattr(driver, "HOLD_GIL", hold)
         log: list = []
-        calls = driver.DriverCalls(_fake_cupy(log, query_status=600))
+        calls = driver.DriverCalls(_fake_cupy(log, query_status=600), hold_gil=hold)
         assert not calls.holds_gil
         calls.launch(11, 4, 256, 0, 7, 99)
         calls.graph_launch(5, 7)

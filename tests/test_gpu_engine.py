@@ -235,19 +235,15 @@ def test_host_device_graph_and_prefetch_paths_give_identical_bits(penalty):
 
 
 @pytest.mark.parametrize("penalty", ["none", "l1"])
-def test_lock_keeping_driver_calls_and_the_beta_mirror_change_no_bit(penalty, monkeypatch):
-    from gpu_engine import driver
-
+def test_lock_keeping_driver_calls_and_the_beta_mirror_change_no_bit(penalty):
     batches = _stream(30, [6000, 6000, 2500], "float32", seed=4)
     rng = np.random.default_rng(4)
     weights = [rng.uniform(0.5, 2.0, len(y)).astype("float32") for _, y in batches]
     config = HuberConfig(penalty=penalty, dtype="float32")
     states = []
-    for hold, spin in ((True, 0.0), (True, 1e-3), (False, 0.0)):
-        monkeypatch.setattr(driver, "HOLD_GIL", hold)
-        monkeypatch.setattr(driver, "SYNC_SPIN_SECONDS", spin)
-        engine = GpuEngine(config)
-        assert engine._calls.holds_gil is hold
+    for hold in (True, False):
+        engine = GpuEngine(config, hold_gil=hold)
+        assert engine.holds_gil is hold
         for i, ((X, y), w) in enumerate(zip(batches, weights, strict=True)):
             engine.partial_fit(X, y, w if i == 1 else None)
             # β as the host reads it (the commit's mapped copy) is the state's β.
@@ -456,7 +452,7 @@ def test_refused_batches_change_nothing_on_the_newton_paths(dtype, cholesky, gra
         assert engine.export_state().equals(twin.export_state()), max_iter
         assert engine._ws.beta_host.tobytes() == twin._ws.beta_host.tobytes()
         assert follow == twin_follow
-        assert engine._small_solve == (cholesky == "kernel")
+        assert engine._newton.small_solve == (cholesky == "kernel")
         engine.close()
         twin.close()
 
@@ -673,7 +669,7 @@ def test_both_cholesky_paths_match_the_reference(cholesky, dtype):
             )
         _assert_states_close(s_gpu, s_ref, dtype, f"batch {i}", noise)
         assert d_gpu.converged == d_ref.converged
-    assert gpu._small_solve == (cholesky == "kernel")
+    assert gpu._newton.small_solve == (cholesky == "kernel")
 
 
 def test_pinned_pool_copies_reuses_and_feeds_the_engine_bit_identically():
@@ -745,9 +741,10 @@ def test_distributed_fit_on_a_cuda_cluster_with_each_loader(tmp_path, monkeypatc
             np.testing.assert_array_equal(model.coef_history_, ref.coef_history_)
         # Memory-mapped chunks are pinned whatever their size (only they, with
         # the size rule off), and a refit takes the engine parked by the last.
-        from rh_dask.distributed import coordinator
+        import dask.config
 
-        monkeypatch.setattr(coordinator, "PIN_MAX_BYTES", 0)
+        pinning = dask.config.config["rh-dask"]["distributed"]
+        monkeypatch.setitem(pinning, "pin-max-bytes", 0)  # restored after the test
         da.to_npy_stack(tmp_path / "X", da.from_array(X, chunks=(5_000, 12)))
         da.to_npy_stack(tmp_path / "y", da.from_array(y, chunks=5_000))
         Xm, ym = da.from_npy_stack(tmp_path / "X"), da.from_npy_stack(tmp_path / "y")

@@ -17,7 +17,7 @@ from gpu_engine import layout
 from gpu_engine.kernels import KERNEL_NAMES, SOURCE
 from rh_dask import HuberConfig, RenewableHuberRegressor
 from rh_dask.engines import make_engine
-from rh_dask.exceptions import EngineUnavailableError
+from rh_dask.exceptions import EngineUnavailableError, ValidationError
 
 
 def test_engine_refuses_to_start_without_cupy_or_gpu():
@@ -54,3 +54,17 @@ def test_control_block_fields_do_not_overlap():
     # the contract's 27 backtracking steps fit in one warp; 40 LAMM trials in whole rounds
     assert 2.0**-layout.LINE_SEARCH_STEPS < 1e-8 <= 2.0 ** -(layout.LINE_SEARCH_STEPS - 1)
     assert layout.LINE_SEARCH_STEPS <= 32 and 40 % layout.LAMM_ROUND == 0
+
+
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        ({"graphs": "false"}, "graphs must be True or False"),
+        ({"hold_gil": 0}, "hold_gil must be True or False"),
+        ({"cholesky": "lu"}, "cholesky must be"),
+    ],
+)
+def test_engine_options_are_checked_before_the_device_is_touched(options, message):
+    # Refused on every machine, with or without CuPy: the options are checked first.
+    with pytest.raises(ValidationError, match=message):
+        gpu_engine.GpuEngine(HuberConfig(), **options)

@@ -1,0 +1,202 @@
+"""One batch on the device, from ``rh_build`` to the committed counters.
+
+``rh_build`` writes the design matrix Z = [X, 1] into the aligned workspace,
+copies y and w and validates the values, all in one pass. The batch's scalar
+parameters (τ, h, N, λ, ...) go into the control block's header, written
+once per batch so that captured graphs stay valid from batch to batch; a
+weighted batch needs Σw first (it sets N, h and λ), so its header is
+completed after one synchronisation. The Newton or LAMM driver then solves
+and commits on the device, and the host advances the counters only for a
+batch the device committed.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rh_dask.config import HuberConfig
+from rh_dask.core import BatchSchedule, batch_schedule, singular_rtol
+from rh_dask.exceptions import ValidationError
+from rh_dask.state import BatchDiagnostics
+
+from . import layout
+from .driver import DriverCalls
+from .inputs import raise_if_invalid
+from .kernels import Kernels
+from .lamm import LammDriver
+from .launch import Launch, Launcher
+from .newton import NewtonDriver
+from .solver import DenseSolver
+from .state import Counters
+from .transfer import StagedBatch
+from .workspace import Workspace
+
+
+class BatchRunner:
+    """Runs batches on the engine's stream with the Newton or the LAMM driver.
+
+    Parameters
+    ----------
+    config : HuberConfig
+        The stream's configuration.
+    kernels : Kernels
+        The compiled kernels.
+    calls : DriverCalls
+        Queues copies and launches, synchronises.
+    stream : cupy.cuda.Stream
+        The engine's stream.
+    dense : DenseSolver
+        cuBLAS/cuSOLVER calls.
+    ws : Workspace
+        The engine's buffers.
+    launcher : Launcher
+        Prepared launches and graphs.
+    newton, lamm : NewtonDriver, LammDriver
+        The solvers.
+    """
+
+    def __init__(
+        self,
+        config: HuberConfig,
+        kernels: Kernels,
+        calls: DriverCalls,
+        stream: Any,
+        dense: DenseSolver,
+        ws: Workspace,
+        launcher: Launcher,
+        newton: NewtonDriver,
+        lamm: LammDriver,
+    ) -> None:
+        self._config = config
+        self._dtype = config.np_dtype
+        self._kernels = kernels
+        self._calls = calls
+        self._stream = stream
+        self._dense = dense
+        self._ws = ws
+        self._launcher = launcher
+        self._newton = newton
+        self._lamm = lamm
+
+    def run(
+        self, X: Any, y: Any, w: Any | None, staged: StagedBatch | None, counters: Counters | None
+    ) -> tuple[BatchDiagnostics, Counters]:
+        """Fit one batch of device arrays; the diagnostics and the counters after it.
+
+        ``counters`` are those before the batch (``None``: an empty stream,
+        whose β and J are zeroed first). Nothing is committed when this
+        raises.
+
+        Raises
+        ------
+        ValidationError
+            For non-finite values, negative weights or a non-positive weight
+            sum (found on the device), or a stream too wide for the solver.
+        """
+        cfg = self._config
+        ws = self._ws
+        n, d = int(X.shape[0]), int(X.shape[1])
+        p = d + int(cfg.fit_intercept)
+        before = counters or Counters(n_features_in=d, fit_intercept=cfg.fit_intercept)
+        stream = self._stream
+        with stream:
+            calls = self._calls
+            if staged is not None:
+                calls.stream_wait(stream.ptr, staged.slot.ready.ptr)
+            fresh = ws.ensure_params(p)
+            if counters is None and not fresh:
+                ws.beta.fill(0)
+                ws.J.fill(0)
+            ws.ensure_rows(n)
+            self._dense.prepare(p, ws.H)
+            schedule = None if w is not None else batch_schedule(cfg, before, float(n))
+            self._write_header(schedule, p)
+            calls.copy_to_device(ws.ctl_ptr, ws.header.ptr, layout.CTL_BYTES, stream.ptr)
+            # Packed for this batch only: X's address changes from batch to batch.
+            Launch(
+                calls,
+                self._kernels.rh_build,
+                self._launcher.grid(n),
+                layout.ROW_THREADS,
+                (
+                    X,
+                    d,
+                    y,
+                    0 if w is None else w,
+                    n,
+                    d,
+                    p,
+                    ws.ldz,
+                    ws.Z,
+                    ws.y,
+                    ws.w,
+                    ws.partials,
+                    ws.ctl,
+                    ws.status_ptr,
+                    ws.beta,
+                    ws.beta_work,
+                ),
+            )(stream.ptr)
+            if staged is not None:
+                staged.slot.consumed.record(stream)
+            if schedule is None:
+                # Σw decides N, h and λ: read it (and the validation flags) first.
+                calls.synchronize(stream)
+                raise_if_invalid(ws.status_i)
+                total_w = float(ws.status_d[layout.S_WSUM])
+                if not total_w > 0:
+                    raise ValidationError("sample_weight must have a positive sum")
+                schedule = batch_schedule(cfg, before, total_w)
+                self._write_header(schedule, p)
+                calls.copy_to_device(ws.ctl_ptr, ws.header.ptr, layout.N_PARAM * 8, stream.ptr)
+            self._launcher.follow(ws.generation)
+            if cfg.penalised:
+                self._lamm.solve(n)
+            else:
+                self._newton.solve(n, p)
+        # The solvers raise at their first synchronisation already; this test
+        # keeps the counters of a refused batch untouched whatever path the
+        # solve took (the kernels never commit a flagged batch either).
+        raise_if_invalid(ws.status_i)
+        if not ws.status_i[layout.I_COMMITTED]:  # pragma: no cover - a kernel bug
+            raise RuntimeError("the GPU engine stopped without committing the batch")
+        diagnostics = BatchDiagnostics(
+            iterations=int(ws.status_i[layout.I_ITER]),
+            converged=bool(ws.status_i[layout.I_CONV]),
+            objective=float(ws.status_d[layout.S_OBJ]),
+            lambda_value=float(schedule.lambda_value),
+            bandwidth=float(schedule.bandwidth),
+        )
+        after = Counters(
+            n_features_in=d,
+            fit_intercept=cfg.fit_intercept,
+            n_samples_seen=before.n_samples_seen + n,
+            batch_count=before.batch_count + 1,
+            previous_lambda=schedule.lambda_value,
+            weight_sum=schedule.total_weight,
+        )
+        return diagnostics, after
+
+    def _write_header(self, schedule: BatchSchedule | None, p: int) -> None:
+        """Fill the pinned control-block image for this batch (``None``: Σw not known yet)."""
+        cfg, ws = self._config, self._ws
+        dt = self._dtype.type
+        hd, hi = ws.header_d, ws.header_i
+        hd[:] = 0.0
+        hi[:] = 0
+        if schedule is not None:
+            hd[layout.P_TAU] = dt(cfg.tau)
+            hd[layout.P_HALF_INV_H] = dt(0.5 / schedule.bandwidth)
+            hd[layout.P_INV_TOTAL] = dt(1.0 / schedule.total_weight)
+            hd[layout.P_TOTAL] = schedule.total_weight
+            hd[layout.P_RIDGE] = dt(cfg.ridge)
+            hd[layout.P_HIST] = dt(schedule.history_scale)
+            hd[layout.P_HAS_HIST] = 1.0 if schedule.history_scale else 0.0
+            hd[layout.P_LAM] = dt(schedule.lambda_value)
+            hd[layout.P_LAMBDA_VALUE] = schedule.lambda_value
+        hd[layout.P_TOL] = cfg.tol
+        hd[layout.P_RTOL] = singular_rtol(self._dtype, p)
+        hd[layout.P_MAX_ITER] = float(cfg.max_iter)
+        hd[layout.P_FIT_INTERCEPT] = 1.0 if cfg.fit_intercept else 0.0
+        hd[layout.P_PENALISED] = 1.0 if cfg.penalised else 0.0
+        hd[layout.S_PHI] = 1.0

@@ -1,0 +1,178 @@
+"""The L1 solve on the device: LAMM rounds queued several at a time.
+
+Each round is ``rh_lamm_eval`` (r and the gradient g in one pass) and
+``rh_lamm_trials`` (``layout.LAMM_ROUND`` majorisation trials in one pass;
+its last block accepts the first that passes). Rounds are queued in groups
+sized from the previous batch's iteration count, each group followed by the
+commit (``rh_commit_eval``, the Gram GEMM, ``rh_commit_finish``); kernels of
+a finished solve, and the commit of an unfinished one, return at once. The
+host synchronises once per group.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rh_dask.config import HuberConfig
+from rh_dask.core import LAMM_MAX_TRIALS
+from rh_dask.exceptions import ValidationError
+
+from . import layout
+from .commit import commit
+from .driver import DriverCalls
+from .inputs import raise_if_invalid
+from .kernels import Kernels
+from .launch import Launcher
+from .solver import DenseSolver
+from .workspace import Workspace
+
+
+class LammDriver:
+    """Runs the LAMM solve of one batch on the engine's stream.
+
+    Parameters
+    ----------
+    config : HuberConfig
+        The stream's configuration (``max_iter``).
+    kernels : Kernels
+        The compiled kernels (shared-memory limits).
+    calls : DriverCalls
+        Synchronises with the device.
+    stream : cupy.cuda.Stream
+        The engine's stream.
+    dense : DenseSolver
+        The commit's Gram GEMM.
+    ws : Workspace
+        The engine's buffers.
+    launcher : Launcher
+        Prepared launches and graphs.
+    """
+
+    def __init__(
+        self,
+        config: HuberConfig,
+        kernels: Kernels,
+        calls: DriverCalls,
+        stream: Any,
+        dense: DenseSolver,
+        ws: Workspace,
+        launcher: Launcher,
+    ) -> None:
+        self._config = config
+        self._kernels = kernels
+        self._calls = calls
+        self._stream = stream
+        self._dense = dense
+        self._ws = ws
+        self._launcher = launcher
+        #: LAMM iterations of the last batch solved: sizes the next batch's first queue.
+        self.last_iterations = 4
+
+    def solve(self, n: int) -> None:
+        """Solve and commit the batch in the workspace (``n`` rows); one sync per group.
+
+        Raises the batch's :class:`ValidationError` after the first group if
+        ``rh_build`` flagged its values.
+        """
+        ws, launcher = self._ws, self._launcher
+        shape = self._shape()
+        # Each round is one group of φ trials; an iteration takes at most five.
+        rounds_left = self._config.max_iter * (LAMM_MAX_TRIALS // layout.LAMM_ROUND)
+        queue = max(2, self.last_iterations + 1)
+        first = True
+        while rounds_left > 0:
+            queue = min(queue, rounds_left)
+            # queue = sum of powers of two: a few cached graphs cover every length
+            bit = 1
+            while bit <= queue:
+                if queue & bit:
+                    launcher.run(("rounds", n, bit), lambda b=bit: self._rounds(n, b, shape))
+                bit <<= 1
+            launcher.run(("commit", n), lambda: commit(launcher, self._dense, ws, n))
+            rounds_left -= queue
+            self._calls.synchronize(self._stream)
+            if first:
+                raise_if_invalid(ws.status_i)
+                first = False
+            if ws.status_i[layout.I_DONE]:
+                self.last_iterations = int(ws.status_i[layout.I_ITER])
+                return
+            queue *= 2
+
+    def _shape(self) -> tuple[int, int, int]:
+        """Threads and dynamic shared memory of the LAMM kernels for this p.
+
+        Sets the kernels' shared-memory limits, which must not happen during
+        a graph capture.
+        """
+        ws, k = self._ws, self._kernels
+        per_warp = ws.ldp * 8
+        budget = k.max_shared - 8 * 1024 - ws.ldp * ws.item
+        warps = max(1, min(layout.ROW_THREADS // 32, budget // per_warp))
+        shared = warps * per_warp + ws.ldp * ws.item
+        if shared > k.max_shared:
+            raise ValidationError(
+                f"penalty='l1' on the GPU engine supports up to about {k.max_shared // 8} "
+                f"parameters; this stream has {ws.p}"
+            )
+        k.allow_shared("rh_lamm_eval", shared)
+        trial_shared = layout.LAMM_ROUND * ws.ldp * ws.item
+        if trial_shared + 8 * 1024 > k.max_shared:
+            raise ValidationError(
+                f"penalty='l1' on the GPU engine supports up to about "
+                f"{(k.max_shared - 8 * 1024) // (layout.LAMM_ROUND * ws.item)} parameters"
+            )
+        k.allow_shared("rh_lamm_trials", trial_shared)
+        return warps * 32, shared, trial_shared
+
+    def _rounds(self, n: int, rounds: int, shape: tuple[int, int, int]) -> None:
+        """Queue ``rounds`` LAMM rounds (eval, then trials) for the ``n``-row batch."""
+        ws, launcher = self._ws, self._launcher
+        p = ws.p
+        threads, shared, trial_shared = shape
+        for _ in range(rounds):
+            launcher.launch(
+                ("lamm_eval", n),
+                "rh_lamm_eval",
+                launcher.grid(n, threads // 32),
+                threads,
+                (
+                    ws.Z,
+                    ws.ldz,
+                    n,
+                    p,
+                    ws.ldp,
+                    ws.y,
+                    ws.w,
+                    ws.beta_work,
+                    ws.beta,
+                    ws.J,
+                    ws.ctl,
+                    ws.r,
+                    ws.g,
+                    ws.partials,
+                ),
+                shared,
+            )
+            launcher.launch(
+                ("lamm_trials", n),
+                "rh_lamm_trials",
+                launcher.grid(n),
+                layout.ROW_THREADS,
+                (
+                    ws.Z,
+                    ws.ldz,
+                    n,
+                    p,
+                    ws.ldp,
+                    ws.r,
+                    ws.w,
+                    ws.g,
+                    ws.J,
+                    ws.ctl,
+                    ws.beta_work,
+                    ws.partials,
+                    ws.status_ptr,
+                ),
+                trial_shared,
+            )

@@ -1,0 +1,199 @@
+"""The unpenalised solve on the device: Newton with monotone backtracking.
+
+One step graph per iteration: the Cholesky solve of the Newton system
+(``rh_newton_solve``, a fused one-block kernel for small p, else
+``rh_newton_assemble`` + cuSOLVER ``potrf``/``potrs``), ``rh_newton_search``
+(all 27 backtracking steps in one pass; its last block decides the step,
+moves β and tests convergence on the device), then the row pass and Gram
+GEMM at the new β, which are both the next iteration's start and, when the
+search ended the solve, the commit's input, and ``rh_commit_finish``. The
+host synchronises once per iteration; when the device reports the Cholesky
+factor singular, the host finishes the contract's ladder (LU, then the
+minimum-norm SVD solution) and the line search is rerun with that direction.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rh_dask.config import HuberConfig
+from rh_dask.core import singular_rtol
+from rh_dask.exceptions import ValidationError
+
+from . import layout
+from .commit import commit_finish, row_pass
+from .driver import DriverCalls
+from .inputs import raise_if_invalid
+from .kernels import Kernels
+from .launch import Launcher
+from .solver import DenseSolver
+from .workspace import Workspace
+
+#: ``cholesky="auto"`` takes the fused kernel up to this p. Measured on an H200
+#: (benchmarks/results/shape_sweep*.json, rh_gpu_kernel vs rh_gpu_cusolver and
+#: the earlier run that used the kernel up to p = 256): the kernel wins at
+#: p = 17 (0.42 vs 0.47 ms per stream), is within noise at p = 33 and loses at
+#: p = 91 (5.0-5.2 vs 3.4-3.5 ms), where its one-block factorisation is
+#: latency-bound.
+FUSED_SOLVE_MAX_P = 32
+
+#: The ways ``GpuEngine(cholesky=...)`` may factorise the Newton system.
+CHOLESKY_MODES = ("auto", "kernel", "cusolver")
+
+
+class NewtonDriver:
+    """Runs the Newton solve of one batch on the engine's stream.
+
+    Parameters
+    ----------
+    config : HuberConfig
+        The stream's configuration (``max_iter``, dtype).
+    cholesky : {"auto", "kernel", "cusolver"}
+        How the Newton system is factorised (see :class:`GpuEngine`).
+    kernels : Kernels
+        The compiled kernels (shared-memory limits).
+    calls : DriverCalls
+        Synchronises with the device.
+    stream : cupy.cuda.Stream
+        The engine's stream.
+    dense : DenseSolver
+        cuBLAS/cuSOLVER calls and the fallback ladder.
+    ws : Workspace
+        The engine's buffers.
+    launcher : Launcher
+        Prepared launches and graphs.
+    """
+
+    def __init__(
+        self,
+        config: HuberConfig,
+        cholesky: str,
+        kernels: Kernels,
+        calls: DriverCalls,
+        stream: Any,
+        dense: DenseSolver,
+        ws: Workspace,
+        launcher: Launcher,
+    ) -> None:
+        self._config = config
+        self._dtype = config.np_dtype
+        self._cholesky = cholesky
+        self._kernels = kernels
+        self._calls = calls
+        self._stream = stream
+        self._dense = dense
+        self._ws = ws
+        self._launcher = launcher
+        #: Whether the last solve used the fused one-block kernel.
+        self.small_solve = False
+
+    def solve(self, n: int, p: int) -> None:
+        """Solve and commit the batch in the workspace (``n`` rows, ``p`` parameters).
+
+        One synchronisation per iteration; the commit rides on the last one.
+        Raises the batch's :class:`ValidationError` after the first one if
+        ``rh_build`` flagged its values.
+        """
+        ws, run = self._ws, self._launcher.run
+        self.small_solve = self._fused_solve_fits(p)
+        run(("prime", n), lambda: self._eval_and_gram(n))
+        for it in range(self._config.max_iter):
+            run(("step", n), lambda: self._step(n))
+            self._calls.synchronize(self._stream)
+            if it == 0:
+                raise_if_invalid(ws.status_i)
+            if ws.status_i[layout.I_FALLBACK]:
+                direction = self._dense.fallback_direction(
+                    ws.Hs, ws.g, p, singular_rtol(self._dtype, p)
+                )
+                ws.D[...] = direction
+                self._search(n, force=1)
+                self._eval_and_gram(n)
+                commit_finish(self._launcher, ws)
+                self._calls.synchronize(self._stream)
+            if ws.status_i[layout.I_DONE]:
+                return
+
+    def _fused_solve_fits(self, p: int) -> bool:
+        """Whether this p×p system goes through the fused one-block kernel.
+
+        Sets the kernel's shared-memory limit, which must not happen during
+        a graph capture.
+        """
+        if self._cholesky == "cusolver":
+            return False
+        if self._cholesky == "auto" and p > FUSED_SOLVE_MAX_P:
+            return False
+        shared = (p * p + 2 * p) * self._ws.item
+        fits = shared + 8 * 1024 <= self._kernels.max_shared and p <= 32 * layout.SOLVE_ROWS
+        if not fits and self._cholesky == "kernel":
+            raise ValidationError(
+                f"cholesky='kernel' needs the {p}×{p} system in shared memory "
+                f"({shared} bytes, the device allows {self._kernels.max_shared})"
+            )
+        if fits:
+            self._kernels.allow_shared("rh_newton_solve", shared)
+        return fits
+
+    def _eval_and_gram(self, n: int) -> None:
+        """κ, ψ and loss at the trial β (residuals kept for the search), then the Gram."""
+        ws = self._ws
+        row_pass(self._launcher, self._dense, ws, "rh_newton_eval", n, (ws.r,), ())
+
+    def _step(self, n: int) -> None:
+        """One iteration: solve, line search, row pass and Gram at the new β, commit."""
+        ws, launch = self._ws, self._launcher.launch
+        p = ws.p
+        if self.small_solve:
+            launch(
+                ("solve",),
+                "rh_newton_solve",
+                1,
+                layout.SMALL_THREADS,
+                (ws.C, ws.J, ws.beta_work, ws.beta, p, ws.ctl, ws.H, ws.Hs, ws.g, ws.D),
+                (p * p + 2 * p) * ws.item,
+            )
+        else:
+            launch(
+                ("assemble",),
+                "rh_newton_assemble",
+                1,
+                layout.SMALL_THREADS,
+                (ws.C, ws.J, ws.beta_work, ws.beta, p, ws.ctl, ws.H, ws.Hs, ws.g, ws.D),
+            )
+            self._dense.cholesky_solve(
+                ws.H, ws.D, p, ws.int_ptr(layout.I_INFO), ws.int_ptr(layout.I_INFO_SOLVE)
+            )
+        self._search(n, force=0)
+        self._eval_and_gram(n)
+        commit_finish(self._launcher, ws)
+
+    def _search(self, n: int, force: int) -> None:
+        """``rh_newton_search``: the backtracking steps in one pass (``force``: take D as is)."""
+        ws, launcher = self._ws, self._launcher
+        p = ws.p
+        launcher.launch(
+            ("search", n, force),
+            "rh_newton_search",
+            launcher.grid(n),
+            layout.ROW_THREADS,
+            (
+                ws.Z,
+                ws.ldz,
+                n,
+                p,
+                ws.r,
+                ws.w,
+                ws.D,
+                ws.g,
+                ws.J,
+                ws.H,
+                ws.Hs,
+                ws.ctl,
+                ws.beta_work,
+                ws.partials,
+                ws.status_ptr,
+                force,
+            ),
+            p * ws.item,
+        )

@@ -1,0 +1,139 @@
+"""The stream's state on the GPU engine, and its import and export as a portable state.
+
+β and J live in the workspace on the device for the whole stream; the
+counters (rows and batches seen, λ of the last batch, Σw) live on the host.
+:class:`DeviceState` holds the counters, answers β from the host-mapped
+mirror the commit kernel writes, and converts to and from
+:class:`rh_dask.state.HuberState`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from types import ModuleType
+from typing import Any
+
+import numpy as np
+
+from rh_dask.exceptions import NotFittedError, ValidationError
+from rh_dask.state import HuberState
+
+from .workspace import Workspace
+
+
+@dataclass
+class Counters:
+    """The host side of the state: everything but β and J."""
+
+    n_features_in: int
+    fit_intercept: bool
+    n_samples_seen: int = 0
+    batch_count: int = 0
+    previous_lambda: float = 0.0
+    weight_sum: float = 0.0
+
+
+class DeviceState:
+    """The counters of a stream whose β and J are in ``ws``.
+
+    Parameters
+    ----------
+    cp : module
+        CuPy.
+    device_id : int
+        The engine's device.
+    stream : cupy.cuda.Stream
+        The engine's stream (copies in and out are ordered on it).
+    ws : Workspace
+        Holds β and J.
+    """
+
+    def __init__(self, cp: ModuleType, device_id: int, stream: Any, ws: Workspace) -> None:
+        self._cp = cp
+        self._device_id = device_id
+        self._stream = stream
+        self._ws = ws
+        #: ``None`` before the first batch (and after :meth:`forget`).
+        self.counters: Counters | None = None
+        self._host_beta: np.ndarray | None = None
+
+    def require(self) -> Counters:
+        """The counters, or :class:`NotFittedError` when the stream is empty."""
+        if self.counters is None:
+            raise NotFittedError("the engine has consumed no batch yet")
+        return self.counters
+
+    def forget(self) -> None:
+        """Back to the empty state (the device buffers are zeroed by the next batch)."""
+        self.counters = None
+        self._host_beta = None
+
+    def advance(self, counters: Counters) -> None:
+        """Record a committed batch: its counters; β is re-read from the mirror."""
+        self.counters = counters
+        self._host_beta = None
+
+    def beta_on_host(self, closed: bool) -> np.ndarray:
+        """β as the host sees it (read-only for callers: :meth:`coefficients` copies it)."""
+        self.require()
+        if self._host_beta is None:
+            if closed:  # the mirror's pinned memory is freed
+                raise RuntimeError("the GPU engine is closed")
+            # The commit kernel mirrors β into host-mapped memory and the host
+            # has synchronised since: reading it needs no CUDA call (the
+            # distributed walk reads β after every batch).
+            self._host_beta = self._ws.beta_host.copy()
+        return self._host_beta
+
+    def export(self) -> HuberState:
+        """A host (NumPy) copy of the portable state."""
+        counters = self.require()
+        cp, ws = self._cp, self._ws
+        with cp.cuda.Device(self._device_id):
+            self._stream.synchronize()
+            beta = cp.asnumpy(ws.beta, stream=self._stream)
+            info = cp.asnumpy(ws.J, stream=self._stream)
+            self._stream.synchronize()
+        return HuberState(
+            coefficients=beta,
+            information=info,
+            n_samples_seen=counters.n_samples_seen,
+            batch_count=counters.batch_count,
+            previous_lambda=counters.previous_lambda,
+            weight_sum=counters.weight_sum,
+            n_features_in=counters.n_features_in,
+            fit_intercept=counters.fit_intercept,
+        )
+
+    def load(self, state: HuberState, fit_intercept: bool, dtype: np.dtype) -> None:
+        """Replace the state by ``state`` (converted to ``dtype``); refused states change nothing.
+
+        Raises
+        ------
+        ValidationError
+            When ``state.fit_intercept`` is not the engine's, or the state
+            is malformed.
+        """
+        if state.fit_intercept != fit_intercept:
+            raise ValidationError(
+                f"state has fit_intercept={state.fit_intercept}, engine config has {fit_intercept}"
+            )
+        state.validate()
+        state = state.astype(dtype)
+        cp, ws, stream = self._cp, self._ws, self._stream
+        with cp.cuda.Device(self._device_id), stream:
+            ws.ensure_params(state.n_params)
+            ws.beta.set(np.ascontiguousarray(state.coefficients), stream=stream)
+            ws.beta_host[...] = state.coefficients
+            ws.J.set(np.ascontiguousarray(state.information), stream=stream)
+            stream.synchronize()
+        self.advance(
+            Counters(
+                n_features_in=int(state.n_features_in),
+                fit_intercept=bool(state.fit_intercept),
+                n_samples_seen=int(state.n_samples_seen),
+                batch_count=int(state.batch_count),
+                previous_lambda=float(state.previous_lambda),
+                weight_sum=float(state.weight_sum),
+            )
+        )
