@@ -156,10 +156,10 @@ def compute_keys(dsk: dict[Key, Any], keys: list[Key]) -> list[Any]:
 
     Each task runs once, after its dependencies, and an intermediate value
     is dropped once its last user has run. Dask's synchronous scheduler
-    would do the same but first orders the graph (``dask.order``), which on
-    an H200 worker was up to two thirds of a loading thread's samples holding
-    the interpreter lock at 65,536-row chunks (``benchmarks/native_profile.py
-    --gil``), for graphs of a handful of tasks that any order computes alike.
+    would do the same but first orders the graph (``dask.order``), which
+    costs a loading thread up to two thirds of its share of the interpreter
+    lock (H200, 65,536-row chunks; docs/performance.md), for graphs of a
+    handful of tasks that any order computes alike.
 
     A graph holding legacy tuple tasks goes to ``dask.get`` (Dask's
     synchronous scheduler) as it is: only Dask's private API converts such
