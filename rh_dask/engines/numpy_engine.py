@@ -43,10 +43,10 @@ def solve_newton_system(hessian: np.ndarray, gradient: np.ndarray) -> np.ndarray
     """D = H⁻¹ g, see :func:`_solve_ladder`, with every BLAS pool on one thread.
 
     The p×p system is far too small to gain from threads, and NumPy and SciPy
-    may each bundle their own OpenBLAS: waking SciPy's pool here left its
-    threads spinning against NumPy's next Gram (measured on 2 cores: a
-    16,384×256 stream took 500-690 ms with 2 threads, 110 ms with the solve
-    single-threaded).
+    may each bundle their own OpenBLAS: waking SciPy's pool here would leave
+    its threads spinning against NumPy's next Gram, which costs a wide stream
+    several times its single-threaded time (docs/performance.md, NumPy
+    engine).
     """
     with _blas_controller().limit(limits=1, user_api="blas"):
         return _solve_ladder(hessian, gradient)
