@@ -1,8 +1,7 @@
 """Is the engine slower inside a Dask worker process than in a plain process?
 
-The distributed benchmark found the GPU engine's time per chunk inside the
-engine actor about 3x its time on the same chunks in the benchmark's own
-process. This diagnostic removes the pipeline: it times the engine alone on
+Separates the engine from the pipeline around it in a distributed fit. This
+diagnostic removes the pipeline: it times the engine alone on
 chunks already in memory, from a thread, (1) in this process and (2) inside
 the engine's worker (``client.run``), reporting the worker's CPU affinity,
 allocator-related environment and CuPy allocator, (3) in the worker again
