@@ -1,7 +1,7 @@
 """Where does a loading pipeline lose time, without Dask in the way?
 
-The distributed fit ran 2-4x slower than its slower floor on the H200. This
-probe rebuilds the same pipeline in one process with plain threads (loader
+Separates the loading pipeline of a distributed fit from Dask. This probe
+rebuilds the same pipeline in one process with plain threads (loader
 threads reading chunks of the on-disk dataset of ``distributed_fit.py``, an
 engine thread consuming them strictly in order, at most ``lookahead`` chunks
 loaded ahead), and varies only how a chunk reaches the engine:
