@@ -17,18 +17,21 @@ from .config import HuberConfig
 from .engines import Engine, NumpyEngine, make_engine
 from .estimator import RenewableHuberRegressor
 from .exceptions import (
+    ActorLostError,
     BadChunkError,
     CheckpointError,
     EngineUnavailableError,
     InputTypeError,
     NotFittedError,
     RhDaskError,
+    SchedulerLostError,
     StreamError,
     ValidationError,
 )
 from .state import BatchDiagnostics, HuberState
 
 __all__ = [
+    "ActorLostError",
     "BadChunkError",
     "BatchDiagnostics",
     "CheckpointError",
@@ -41,6 +44,7 @@ __all__ = [
     "NumpyEngine",
     "RenewableHuberRegressor",
     "RhDaskError",
+    "SchedulerLostError",
     "StreamError",
     "ValidationError",
     "__version__",

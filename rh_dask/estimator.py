@@ -1,18 +1,16 @@
 """``RenewableHuberRegressor``: the scikit-learn face of rh-dask.
 
 The estimator is thin on purpose: it turns parameters into a
-:class:`~rh_dask.config.HuberConfig`, validates each batch, hands it to one
-engine (see :mod:`rh_dask.engines`) and mirrors the engine's state into the
-scikit-learn attributes. Dask collections are routed to the distributed
-coordinator in :mod:`rh_dask.distributed`.
+:class:`~rh_dask.config.HuberConfig`, validates each batch and hands it to
+its :class:`~rh_dask.stream.Stream`, the one object holding the engine and
+everything learnt since the last reset; every fitted attribute is read from
+that stream. Dask collections are walked into the same stream by
+:mod:`rh_dask.distributed`.
 """
 
 from __future__ import annotations
 
 import os
-import time
-from collections.abc import Callable
-from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
 import numpy as np
@@ -21,9 +19,10 @@ from sklearn.base import BaseEstimator, RegressorMixin
 
 from .checkpoint import Checkpoint, load_checkpoint, save_checkpoint
 from .config import HuberConfig
-from .engines import Engine, make_engine, resolve_engine_name
+from .engines import resolve_engine_name
 from .exceptions import NotFittedError, ValidationError
 from .state import BatchDiagnostics, HuberState
+from .stream import HISTORY_COLUMNS, BatchRecord, Stream, history_frame
 from .validation import (
     Batch,
     is_device_array,
@@ -34,19 +33,6 @@ from .validation import (
 
 __all__ = ["HISTORY_COLUMNS", "RenewableHuberRegressor"]
 
-#: Columns of ``RenewableHuberRegressor.history_``.
-HISTORY_COLUMNS = (
-    "batch",
-    "chunk",
-    "rows",
-    "iterations",
-    "converged",
-    "objective",
-    "seconds",
-    "wait_seconds",
-)
-_HISTORY_DTYPES = ("int64", "int64", "int64", "int64", "bool", "float64", "float64", "float64")
-
 
 def _is_dask_collection(obj: Any) -> bool:
     try:
@@ -54,15 +40,6 @@ def _is_dask_collection(obj: Any) -> bool:
     except ImportError:  # pragma: no cover - dask is a hard dependency
         return False
     return is_dask_collection(obj)
-
-
-def _nothing() -> None:
-    """The undo of a step that changed nothing."""
-
-
-def _float64_copy(beta: Any) -> np.ndarray:
-    """A float64 host copy of β: exact for float32 engines, and never a view of engine memory."""
-    return np.array(beta, dtype=np.float64, copy=True)
 
 
 class RenewableHuberRegressor(RegressorMixin, BaseEstimator):
@@ -223,6 +200,9 @@ class RenewableHuberRegressor(RegressorMixin, BaseEstimator):
         self.worker = worker
         self.progress = progress
 
+    #: The stream being fitted (see :mod:`rh_dask.stream`); ``None`` until the first batch.
+    _stream: Stream | None = None
+
     # -- configuration ---------------------------------------------------------
     def _make_config(self) -> HuberConfig:
         return HuberConfig(
@@ -237,42 +217,24 @@ class RenewableHuberRegressor(RegressorMixin, BaseEstimator):
             dtype=self.dtype,
         )
 
-    def _stream_engine(self) -> Engine | None:
-        """The engine holding the stream, materialised from a pending state if needed."""
-        engine = getattr(self, "_engine", None)
-        pending = getattr(self, "_pending_state", None)
-        if engine is None and pending is not None:
-            engine = make_engine(self.engine_, self._config, self.device)
-            engine.import_state(pending)
-            self._engine = engine
-            self._pending_state = None
-        return engine
+    def _new_stream(self, config: HuberConfig, engine_name: str) -> Stream:
+        """An unstarted stream that may reuse the current stream's engine."""
+        if self._stream is None:
+            return Stream(config, engine_name)
+        return self._stream.successor(config, engine_name)
+
+    def _continued_stream(self, config: HuberConfig) -> Stream | None:
+        """The fitted stream a call continues (checked against the parameters), or ``None``."""
+        stream = self._fitted_stream()
+        if stream is not None:
+            stream.check_continues(config, self.engine, self.device)
+        return stream
 
     # -- fitting -------------------------------------------------------------------
     def reset(self) -> RenewableHuberRegressor:
         """Forget the stream (keeps the engine and its workspaces for reuse)."""
-        engine = getattr(self, "_engine", None)
-        if engine is not None:
-            engine.reset()
-        self._forget_stream()
+        self._stream = None if self._stream is None else self._stream.emptied()
         return self
-
-    def _forget_stream(self) -> None:
-        """Drop every attribute of the stream; the engine is left as it is."""
-        self._pending_state = None
-        for name in (
-            "n_features_in_",
-            "feature_names_in_",
-            "n_iter_",
-            "diagnostics_",
-            "engine_",
-            "_config",
-            "_history",
-            "_coef_history",
-            "_n_empty_chunks",
-            "_placement",
-        ):
-            self.__dict__.pop(name, None)
 
     def fit(self, X: Any, y: Any, sample_weight: Any | None = None) -> RenewableHuberRegressor:
         """Start a new stream with ``X`` (the current one is forgotten once it has begun).
@@ -298,9 +260,7 @@ class RenewableHuberRegressor(RegressorMixin, BaseEstimator):
         self
         """
         if any(_is_dask_collection(a) for a in (X, y, sample_weight)):
-            from .distributed import stream_fit
-
-            return stream_fit(self, X, y, sample_weight, fresh=True)
+            return self._fit_collection(X, y, sample_weight, fresh=True)
         config = self._make_config()
         name = resolve_engine_name(self.engine, self.device)
         batch = validate_batch(
@@ -311,7 +271,7 @@ class RenewableHuberRegressor(RegressorMixin, BaseEstimator):
             accept_device=name == "gpu",
             owner=type(self).__name__,
         )
-        self._consume(batch, config, name, fresh=True)
+        self._consume(self._new_stream(config, name), batch)
         return self
 
     def partial_fit(
@@ -324,326 +284,165 @@ class RenewableHuberRegressor(RegressorMixin, BaseEstimator):
         exactly as it was.
         """
         if any(_is_dask_collection(a) for a in (X, y, sample_weight)):
-            from .distributed import stream_fit
-
-            return stream_fit(self, X, y, sample_weight)
+            return self._fit_collection(X, y, sample_weight, fresh=False)
         config = self._make_config()
-        self._check_stream_config(config)
+        stream = self._continued_stream(config)
         name = resolve_engine_name(self.engine, self.device)
-        fitted = hasattr(self, "n_features_in_")
         batch = validate_batch(
             X,
             y,
             sample_weight,
             dtype=config.dtype,
-            n_features=getattr(self, "n_features_in_", None),
-            feature_names=getattr(self, "feature_names_in_", None),
-            fitted=fitted,
+            n_features=None if stream is None else stream.n_features,
+            feature_names=None if stream is None else stream.feature_names,
+            fitted=stream is not None,
             accept_device=name == "gpu",
             owner=type(self).__name__,
         )
-        self._consume(batch, config, name)
+        self._consume(self._new_stream(config, name) if stream is None else stream, batch)
         return self
 
-    def _consume(self, batch: Batch, config: HuberConfig, name: str, fresh: bool = False) -> None:
-        """One validated batch through the stream's engine, then into the attributes."""
-        engine, diagnostics, seconds = self._fit_batch(
-            batch.X, batch.y, batch.sample_weight, config, name, fresh=fresh
+    def _consume(self, stream: Stream, batch: Batch) -> None:
+        """One validated batch into ``stream``, which becomes the model's once it has it."""
+        stream.consume(
+            batch.X,
+            batch.y,
+            batch.sample_weight,
+            device=self.device,
+            feature_names=batch.feature_names,
         )
-        self._record_batch(
-            engine,
-            config,
-            diagnostics,
-            int(batch.X.shape[1]),
-            batch.feature_names,
-            rows=int(batch.X.shape[0]),
-            seconds=seconds,
-        )
+        self._stream = stream
 
-    def _fit_batch(
-        self,
-        X: Any,
-        y: Any,
-        sample_weight: Any | None,
-        config: HuberConfig,
-        name: str,
-        *,
-        fresh: bool = False,
-        limit: Callable[[], AbstractContextManager[Any]] = nullcontext,
-    ) -> tuple[Engine, BatchDiagnostics, float]:
-        """Advance the stream by one batch, or change nothing at all.
+    def _fit_collection(
+        self, X: Any, y: Any, sample_weight: Any | None, *, fresh: bool
+    ) -> RenewableHuberRegressor:
+        """Walk a Dask collection's chunks into the stream (a new one for ``fit``).
 
-        ``fresh`` starts a new stream with the batch (``fit``). The model's
-        current stream, its attributes and its engine are given up only once
-        the engine has consumed the batch: when creating the engine or the
-        batch fails, the model (and its engine's state) is as it was. Returns
-        the engine, the batch's diagnostics and the engine's seconds; the
-        caller records the batch (:meth:`_record_batch`).
+        A new stream becomes the model's once it has consumed a batch, even
+        when the walk fails later (the model then holds the state after the
+        last good chunk); one that consumed nothing leaves the model as it was.
         """
-        if fresh or not hasattr(self, "n_features_in_"):
-            engine, undo = self._new_stream_engine(config, name)
-        else:
-            engine, undo = self._continuing_engine()
-        start = time.perf_counter()
+        from .distributed import WalkOptions, stream_fit
+
+        options = WalkOptions.from_params(self.lookahead, self.loader, self.worker, self.progress)
+        config = self._make_config()
+        stream = None if fresh else self._continued_stream(config)
+        if stream is None:
+            stream = self._new_stream(config, resolve_engine_name(self.engine, self.device))
         try:
-            with limit():
-                diagnostics = engine.partial_fit(X, y, sample_weight)
-        except BaseException:
-            undo()
-            raise
-        seconds = time.perf_counter() - start
-        if fresh or not hasattr(self, "n_features_in_"):
-            self._forget_stream()
-        self._engine = engine
-        self._pending_state = None
-        return engine, diagnostics, seconds
-
-    def _new_stream_engine(
-        self, config: HuberConfig, name: str
-    ) -> tuple[Engine, Callable[[], None]]:
-        """An engine at the empty state for a new stream, and how to undo taking it.
-
-        The model's engine is reused (its workspaces, a GPU context) when its
-        configuration and name fit; the stream it holds is kept aside so that
-        a failing first batch puts it back. Otherwise a new engine is made,
-        and only kept once it has consumed the batch.
-        """
-        engine = getattr(self, "_engine", None)
-        if engine is None or engine.config != config or engine.name != name:
-            return make_engine(name, config, self.device), _nothing
-        held = engine.export_state() if engine.n_features_in is not None else None
-        engine.reset()
-
-        def undo() -> None:
-            if held is None:
-                engine.reset()
-            else:
-                engine.import_state(held)
-
-        return engine, undo
-
-    def _continuing_engine(self) -> tuple[Engine, Callable[[], None]]:
-        """The engine of the stream under way (a restored stream gets one, kept on success)."""
-        engine = getattr(self, "_engine", None)
-        if engine is not None:
-            return engine, _nothing
-        engine = make_engine(self.engine_, self._config, self.device)
-        engine.import_state(self._pending_state)
-        return engine, _nothing
-
-    def _check_stream_config(self, config: HuberConfig) -> None:
-        """Refuse parameters that changed while a stream is under way."""
-        if hasattr(self, "n_features_in_") and config != self._config:
-            raise ValidationError(
-                "the estimator's parameters changed since the stream started; "
-                "call reset() or fit() to start a new stream with them"
+            stream_fit(
+                stream, X, y, sample_weight, options, device=self.device, owner=type(self).__name__
             )
-        if (
-            hasattr(self, "n_features_in_")
-            and self.engine != "auto"
-            and resolve_engine_name(self.engine, self.device) != self.engine_
-        ):
-            # An explicitly requested engine is never silently replaced.
-            raise ValidationError(
-                f"engine={self.engine!r} was requested, but the stream runs on the "
-                f"{self.engine_!r} engine; move it with save() and load(path, engine=...), "
-                "or call reset() or fit() to start a new stream"
-            )
-
-    def _record_batch(
-        self,
-        engine: Engine,
-        config: HuberConfig,
-        diagnostics: BatchDiagnostics,
-        n_features: int,
-        feature_names: np.ndarray | None,
-        *,
-        rows: int,
-        seconds: float,
-        chunk: int = 0,
-        wait_seconds: float = 0.0,
-    ) -> None:
-        """Mirror one consumed batch into the scikit-learn attributes and history."""
-        self._start_attributes(config, engine.name, n_features, feature_names)
-        # The batch ran on this process's engine, not on a cluster worker.
-        self._placement = None
-        self._append_record(
-            engine.batch_count - 1,
-            chunk,
-            rows,
-            diagnostics,
-            seconds,
-            wait_seconds,
-            engine.coefficients(),
-        )
-
-    def _start_attributes(
-        self,
-        config: HuberConfig,
-        engine_name: str,
-        n_features: int,
-        feature_names: np.ndarray | None,
-    ) -> None:
-        """Set the attributes fixed by a stream's first batch (no-op afterwards)."""
-        if hasattr(self, "n_features_in_"):
-            return
-        self._config = config
-        self.engine_ = engine_name
-        self.n_features_in_ = n_features
-        if feature_names is not None:
-            self.feature_names_in_ = feature_names
-
-    def _append_record(
-        self,
-        batch: int,
-        chunk: int,
-        rows: int,
-        diagnostics: BatchDiagnostics,
-        seconds: float,
-        wait_seconds: float,
-        coefficients: np.ndarray,
-    ) -> None:
-        """One consumed batch into ``history_``, ``coef_history_`` and ``diagnostics_``."""
-        self._history_rows().append(
-            (
-                batch,
-                chunk,
-                rows,
-                diagnostics.iterations,
-                diagnostics.converged,
-                diagnostics.objective,
-                seconds,
-                wait_seconds,
-            )
-        )
-        self._coef_rows().append(_float64_copy(coefficients))
-        self.diagnostics_ = diagnostics
-        self.n_iter_ = diagnostics.iterations
-
-    def _history_rows(self) -> list[tuple[Any, ...]]:
-        if "_history" not in self.__dict__:
-            self._history = []
-        return self._history
-
-    def _coef_rows(self) -> list[np.ndarray]:
-        if "_coef_history" not in self.__dict__:
-            self._coef_history = []
-        return self._coef_history
-
-    def _adopt_stream(
-        self,
-        config: HuberConfig,
-        engine_name: str,
-        state: HuberState,
-        feature_names: np.ndarray | None,
-        records: list[tuple[int, int, BatchDiagnostics, float, float, np.ndarray]],
-        placement: dict[str, Any] | None = None,
-        *,
-        fresh: bool = False,
-    ) -> None:
-        """Take over the state a remote engine reached (see :mod:`rh_dask.distributed`).
-
-        ``records`` are ``(chunk, rows, diagnostics, seconds, wait_seconds, coefficients)``
-        of the batches that led there, in order; ``placement`` is where that
-        engine ran (``placement_``). ``fresh``: the remote stream started from
-        the empty state (``fit``), so the model's current stream is forgotten
-        first. Without records nothing changes.
-        """
-        if not records:
-            return
-        engine = getattr(self, "_engine", None)
-        if engine is not None and engine.config == config and engine.name == engine_name:
-            engine.import_state(state)  # keeps the local engine's workspaces; atomic
-            pending = None
-        else:
-            engine, pending = None, state
-        if fresh:
-            self._forget_stream()
-        self._engine = engine
-        self._pending_state = pending
-        self._start_attributes(config, engine_name, state.n_features_in, feature_names)
-        first = state.batch_count - len(records)
-        for offset, record in enumerate(records):
-            self._append_record(first + offset, *record)
-        self._placement = None if placement is None else dict(placement)
-
-    def _count_empty_chunks(self, count: int) -> None:
-        self._n_empty_chunks = self.__dict__.get("_n_empty_chunks", 0) + int(count)
-
-    @property
-    def history_(self) -> pd.DataFrame:
-        """Per-batch history since the last reset (see the class docstring)."""
-        self._require_fitted()
-        frame = pd.DataFrame(self.__dict__.get("_history", []), columns=list(HISTORY_COLUMNS))
-        return frame.astype(dict(zip(HISTORY_COLUMNS, _HISTORY_DTYPES, strict=True)))
-
-    @property
-    def coef_history_(self) -> np.ndarray:
-        """β after each batch since the last reset, shape (n_batches, n_params), float64."""
-        self._require_fitted()
-        n_params = self.n_features_in_ + int(self._config.fit_intercept)
-        rows = self.__dict__.get("_coef_history", [])
-        if not rows:
-            return np.empty((0, n_params), dtype=np.float64)
-        return np.stack(rows)
-
-    @property
-    def n_empty_chunks_(self) -> int:
-        """Zero-row chunks skipped since the last reset."""
-        self._require_fitted()
-        return int(self.__dict__.get("_n_empty_chunks", 0))
-
-    @property
-    def placement_(self) -> dict[str, Any] | None:
-        """Where the engine of the last batch ran on a cluster (see the class docstring)."""
-        self._require_fitted()
-        placement = self.__dict__.get("_placement")
-        return None if placement is None else dict(placement)
+        finally:
+            if stream.started:
+                self._stream = stream
+        return self
 
     # -- fitted views ------------------------------------------------------------
-    def __sklearn_is_fitted__(self) -> bool:
-        return hasattr(self, "n_features_in_")
+    def _fitted_stream(self) -> Stream | None:
+        """The model's stream when it has started, else ``None``: "is fitted" is this test."""
+        stream = self._stream
+        return stream if stream is not None and stream.started else None
 
-    def _require_fitted(self) -> None:
-        if not hasattr(self, "n_features_in_"):
+    def __sklearn_is_fitted__(self) -> bool:
+        return self._fitted_stream() is not None
+
+    def _require_fitted(self) -> Stream:
+        stream = self._fitted_stream()
+        if stream is None:
             raise NotFittedError(
                 f"This {type(self).__name__} instance is not fitted yet. Call 'fit' or "
                 "'partial_fit' with appropriate arguments before using this estimator."
             )
+        return stream
+
+    def _last_record(self, name: str) -> BatchRecord:
+        records = self._require_fitted().records
+        if not records:
+            raise AttributeError(
+                f"{name} describes the last consumed batch; this {type(self).__name__} "
+                "was restored from a checkpoint and has consumed none since"
+            )
+        return records[-1]
+
+    @property
+    def n_features_in_(self) -> int:
+        """Number of features seen during fit."""
+        return self._require_fitted().n_features
+
+    @property
+    def feature_names_in_(self) -> np.ndarray:
+        """Feature names, when the stream came as a DataFrame with string columns."""
+        names = self._require_fitted().feature_names
+        if names is None:
+            raise AttributeError(
+                f"this {type(self).__name__} was fitted without feature names "
+                "(its stream did not come as DataFrames with string columns)"
+            )
+        return names
+
+    @property
+    def engine_(self) -> str:
+        """The engine actually in use (``"numpy"`` or ``"gpu"``)."""
+        return self._require_fitted().engine_name
+
+    @property
+    def diagnostics_(self) -> BatchDiagnostics:
+        """Diagnostics of the last batch."""
+        return self._last_record("diagnostics_").diagnostics
+
+    @property
+    def n_iter_(self) -> int:
+        """Iterations used by the last batch."""
+        return self._last_record("n_iter_").diagnostics.iterations
+
+    @property
+    def history_(self) -> pd.DataFrame:
+        """Per-batch history since the last reset (see the class docstring)."""
+        return history_frame(self._require_fitted().records)
+
+    @property
+    def coef_history_(self) -> np.ndarray:
+        """β after each batch since the last reset, shape (n_batches, n_params), float64."""
+        stream = self._require_fitted()
+        records = stream.records
+        if not records:
+            n_params = stream.n_features + int(stream.config.fit_intercept)
+            return np.empty((0, n_params), dtype=np.float64)
+        return np.stack([r.coefficients for r in records])
+
+    @property
+    def n_empty_chunks_(self) -> int:
+        """Zero-row chunks skipped since the last reset."""
+        return self._require_fitted().n_empty
+
+    @property
+    def placement_(self) -> dict[str, Any] | None:
+        """Where the engine of the last batch ran on a cluster (see the class docstring)."""
+        return self._require_fitted().placement
 
     @property
     def state_(self) -> HuberState:
         """A host (NumPy) copy of the portable state."""
-        self._require_fitted()
-        engine = getattr(self, "_engine", None)
-        if engine is None:
-            return self._pending_state.copy()
-        return engine.export_state()
-
-    def _coefficients(self) -> np.ndarray:
-        self._require_fitted()
-        engine = getattr(self, "_engine", None)
-        if engine is None:
-            return self._pending_state.coefficients.copy()
-        return engine.coefficients()
+        return self._require_fitted().state()
 
     @property
     def coef_(self) -> np.ndarray:
         """Feature coefficients, shape (n_features,)."""
-        return self._coefficients()[: self.n_features_in_]
+        stream = self._require_fitted()
+        return stream.coefficients()[: stream.n_features]
 
     @property
     def intercept_(self) -> float:
         """The intercept (0.0 without one)."""
-        beta = self._coefficients()
-        return float(beta[-1]) if self._config.fit_intercept else 0.0
+        stream = self._require_fitted()
+        beta = stream.coefficients()
+        return float(beta[-1]) if stream.config.fit_intercept else 0.0
 
     @property
     def n_samples_seen_(self) -> int:
         """Rows consumed since the last reset."""
-        self._require_fitted()
-        engine = getattr(self, "_engine", None)
-        return engine.n_samples_seen if engine is not None else self._pending_state.n_samples_seen
+        return self._require_fitted().n_samples_seen
 
     # -- prediction ----------------------------------------------------------------
     def predict(self, X: Any) -> Any:
@@ -652,14 +451,14 @@ class RenewableHuberRegressor(RegressorMixin, BaseEstimator):
         Host input gives a NumPy array; a CUDA array given to a GPU-engine
         model gives a device array; a Dask collection gives a lazy Dask array.
         """
-        self._require_fitted()
+        stream = self._require_fitted()
         if _is_dask_collection(X):
             from .distributed import predict_dask
 
             return predict_dask(self, X)
         if is_device_array(X):
             # Refused before a restored stream's engine is started for it.
-            engine = self._stream_engine() if self.engine_ == "gpu" else None
+            engine = stream.live_engine(self.device) if stream.engine_name == "gpu" else None
             if engine is None or not engine.accepts_device_arrays:
                 raise ValidationError(
                     "got a CUDA device array, but this model's engine takes host arrays"
@@ -667,15 +466,15 @@ class RenewableHuberRegressor(RegressorMixin, BaseEstimator):
             return engine.predict(X)
         X_arr, _ = validate_features(
             X,
-            dtype=self._config.dtype,
-            n_features=self.n_features_in_,
-            feature_names=getattr(self, "feature_names_in_", None),
+            dtype=stream.config.dtype,
+            n_features=stream.n_features,
+            feature_names=stream.feature_names,
             fitted=True,
             owner=type(self).__name__,
         )
-        beta = self._coefficients()
-        out = X_arr @ beta[: self.n_features_in_]
-        if self._config.fit_intercept:
+        beta = stream.coefficients()
+        out = X_arr @ beta[: stream.n_features]
+        if stream.config.fit_intercept:
             out += beta[-1]
         return out
 
@@ -686,8 +485,7 @@ class RenewableHuberRegressor(RegressorMixin, BaseEstimator):
         :class:`~sklearn.exceptions.DataConversionWarning`, as in :meth:`fit`.
         """
         if _is_dask_collection(X) or _is_dask_collection(y):
-            from .distributed import score_dask
-            from .distributed.fit import column_vector_target
+            from .distributed import column_vector_target, score_dask
 
             return score_dask(self, X, column_vector_target(y), sample_weight)
         return super().score(X, ravel_column_vector(y), sample_weight=sample_weight)
@@ -695,14 +493,14 @@ class RenewableHuberRegressor(RegressorMixin, BaseEstimator):
     # -- persistence ---------------------------------------------------------------
     def save(self, path: str | os.PathLike[str]) -> os.PathLike[str]:
         """Write a portable checkpoint (``.npz``) of the fitted stream; returns its path."""
-        self._require_fitted()
+        stream = self._require_fitted()
         return save_checkpoint(
             path,
             Checkpoint(
-                config=self._config,
-                state=self.state_,
-                feature_names=getattr(self, "feature_names_in_", None),
-                engine=self.engine_,
+                config=stream.config,
+                state=stream.state(),
+                feature_names=stream.feature_names,
+                engine=stream.engine_name,
             ),
         )
 
@@ -734,25 +532,6 @@ class RenewableHuberRegressor(RegressorMixin, BaseEstimator):
             device=device,
             dtype=config.dtype,
         )
-        model._restore(config, ckpt.state, ckpt.feature_names)
+        name = resolve_engine_name(model.engine, model.device)
+        model._stream = Stream.restored(config, name, ckpt.state, ckpt.feature_names)
         return model
-
-    def _restore(
-        self, config: HuberConfig, state: HuberState, feature_names: np.ndarray | None
-    ) -> None:
-        self._engine = None
-        self._config = config
-        self._pending_state = state
-        self.engine_ = resolve_engine_name(self.engine, self.device)
-        self.n_features_in_ = state.n_features_in
-        if feature_names is not None:
-            self.feature_names_in_ = feature_names
-
-    def __getstate__(self) -> dict[str, Any]:
-        # Pickle the portable state, never a (possibly device-resident) engine.
-        data = dict(self.__dict__)
-        engine = data.pop("_engine", None)
-        if engine is not None and hasattr(self, "n_features_in_"):
-            data["_pending_state"] = engine.export_state()
-        data["_engine"] = None
-        return data

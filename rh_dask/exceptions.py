@@ -9,6 +9,7 @@ from __future__ import annotations
 from sklearn.exceptions import NotFittedError as _SklearnNotFittedError
 
 __all__ = [
+    "ActorLostError",
     "BadChunkError",
     "CheckpointError",
     "EngineUnavailableError",
@@ -89,6 +90,15 @@ class SchedulerLostError(StreamError):
     ) -> None:
         super().__init__(message, chunk_index)
         self.address = address
+
+
+class ActorLostError(StreamError):
+    """The worker holding a distributed stream's engine actor disappeared mid-walk.
+
+    The engine's state went with it, and Dask never recreates a lost actor,
+    so the stream cannot continue there. The model keeps the state it had
+    before the call.
+    """
 
 
 class BadChunkError(StreamError, ValidationError):

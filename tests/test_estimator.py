@@ -271,7 +271,8 @@ def _everything(model) -> dict:
     out = {
         "params": repr(model.get_params()),
         "keys": sorted(vars(model)),
-        "engine_object": id(vars(model).get("_engine")),
+        "stream_object": id(vars(model).get("_stream")),
+        "engine_object": id(_engine_of(model)),
         "fitted": hasattr(model, "n_features_in_"),
     }
     if not out["fitted"]:
@@ -295,6 +296,12 @@ def _everything(model) -> dict:
         placement=model.placement_,
     )
     return out
+
+
+def _engine_of(model):
+    """The engine object holding ``model``'s stream (``None`` when it has none)."""
+    stream = vars(model).get("_stream")
+    return None if stream is None else stream.engine
 
 
 def _frame(X, names=("a", "b", "c")):
@@ -471,10 +478,10 @@ class _Refusing(NumpyEngine):
 def test_a_fit_the_engine_refuses_puts_the_old_stream_back_in_the_engine(
     fitted, monkeypatch, dask_input
 ):
-    import rh_dask.estimator as estimator_module
+    import rh_dask.stream as stream_module
 
     model, s = fitted
-    engine = model._engine
+    engine = _engine_of(model)
     before = _everything(model)
     X, y = s.X[300:], s.y[300:]
     if dask_input:
@@ -487,13 +494,13 @@ def test_a_fit_the_engine_refuses_puts_the_old_stream_back_in_the_engine(
     assert _everything(model) == before
     monkeypatch.undo()
     # A new configuration needs a new engine: it is not kept when it refuses.
-    monkeypatch.setattr(estimator_module, "make_engine", lambda *a, **k: _Refusing(HuberConfig()))
+    monkeypatch.setattr(stream_module, "make_engine", lambda *a, **k: _Refusing(HuberConfig()))
     model.set_params(tau=2.0)
     before = _everything(model)
     with pytest.raises(ValueError, match="refused by the engine"):
         model.fit(X, y)
     assert _everything(model) == before
-    assert model._engine is engine
+    assert _engine_of(model) is engine
 
 
 def test_refused_partial_fit_of_a_loaded_model_starts_no_engine(fitted, tmp_path):
@@ -507,7 +514,7 @@ def test_refused_partial_fit_of_a_loaded_model_starts_no_engine(fitted, tmp_path
     with pytest.raises(ValidationError, match="NaN"):
         loaded.partial_fit(X, s.y[300:])
     assert _everything(loaded) == before
-    assert loaded._engine is None
+    assert _engine_of(loaded) is None
 
 
 @pytest.mark.skipif(gpu_usable(), reason="a CUDA GPU is usable here")
@@ -631,4 +638,4 @@ def test_a_device_array_refused_by_a_host_model_starts_no_engine(fitted, tmp_pat
     with pytest.raises(ValidationError, match="takes host arrays"):
         loaded.predict(_FakeCudaArray())
     assert _everything(loaded) == before
-    assert loaded._engine is None
+    assert _engine_of(loaded) is None

@@ -21,34 +21,11 @@ from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
-
 from ..engines import Engine
 from ..exceptions import ValidationError
-from ..state import HuberState
+from ..state import BatchDiagnostics, HuberState
+from ..stream import BatchRecord
 from .items import BadChunk, ChunkItem, EmptyChunk, LoadedChunk
-
-
-@dataclass(frozen=True)
-class BatchRecord:
-    """What the history keeps of one consumed batch.
-
-    ``coefficients`` is a host copy of β after the batch (intercept last), in
-    the engine's dtype: the estimator's ``coef_history_`` row of the batch.
-    ``wait_seconds`` is how long the engine sat idle, during the stream,
-    before this batch arrived.
-    """
-
-    chunk: int
-    rows: int
-    iterations: int
-    converged: bool
-    objective: float
-    lambda_value: float
-    bandwidth: float
-    seconds: float
-    coefficients: np.ndarray
-    wait_seconds: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -322,14 +299,18 @@ class OrderedConsumer:
         the copy of the next batch keeps overlapping its solve.
         """
         record = BatchRecord(
+            batch=self.engine.batch_count - 1,
             chunk=item.index,
             rows=item.rows,
-            iterations=int(diag.iterations),
-            converged=bool(diag.converged),
-            objective=float(diag.objective),
-            lambda_value=float(diag.lambda_value),
-            bandwidth=float(diag.bandwidth),
+            diagnostics=BatchDiagnostics(
+                iterations=int(diag.iterations),
+                converged=bool(diag.converged),
+                objective=float(diag.objective),
+                lambda_value=float(diag.lambda_value),
+                bandwidth=float(diag.bandwidth),
+            ),
             seconds=seconds,
+            # A host copy in the engine's dtype: what crosses to the client is small.
             coefficients=self.engine.coefficients(),
             wait_seconds=self._waited,
         )

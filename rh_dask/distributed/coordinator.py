@@ -39,7 +39,7 @@ from dask.highlevelgraph import HighLevelGraph, MaterializedLayer
 from distributed import Future, wait
 
 from ..config import HuberConfig
-from ..exceptions import SchedulerLostError, StreamError, ValidationError
+from ..exceptions import ActorLostError, SchedulerLostError, StreamError, ValidationError
 from ..state import HuberState
 from .actor import EngineActor, deliver_chunk, load_and_deliver
 from .chunks import AlignedStream, ChunkGraph
@@ -189,14 +189,6 @@ def _alive(client: Any, address: str) -> bool:
         return address in scheduler_workers(client)
     except Exception:  # the scheduler itself is unreachable: treat the worker as gone
         return False
-
-
-class ActorLostError(StreamError):
-    """The worker holding the engine actor disappeared; its state went with it.
-
-    Dask never recreates a lost actor, so the stream cannot continue there.
-    The model keeps the state it had before the call.
-    """
 
 
 def _lost(address: str, consumed: int | None) -> ActorLostError:

@@ -1,25 +1,27 @@
 """``stream_fit``: what ``partial_fit`` (and so ``fit``) does with Dask collections.
 
-It checks the stream against the model, then walks the chunks in order,
-either on the user's ``distributed`` cluster (an engine actor fed by
-look-ahead loads, :mod:`.coordinator`) or, without a client, in this process
-with the model's own engine (:mod:`.local`). Both give the state a loop of
-``partial_fit`` over the same chunks would give.
+It checks the collection against the model's :class:`~rh_dask.stream.Stream`,
+then walks the chunks in order into that stream, either on the user's
+``distributed`` cluster (an engine actor fed by look-ahead loads,
+:mod:`.coordinator`, whose final state and records the stream adopts) or,
+without a client, in this process with the stream's own engine
+(:mod:`.local`). Both give the state a loop of ``partial_fit`` over the same
+chunks would give. Nothing here knows the estimator: it hands over the
+stream, the validated walk parameters (:class:`WalkOptions`) and the device.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import dask.array as da
 import dask.dataframe as dd
 import numpy as np
 
-from ..engines import resolve_engine_name
 from ..exceptions import ValidationError
-from ..state import BatchDiagnostics
+from ..stream import Stream
 from ..validation import check_feature_names, ravel_column_vector, warn_column_vector
 from .chunks import AlignedStream, ChunkGraph, align_stream
 from .consumer import STREAM_BLAS_THREADS, blas_limiter
@@ -29,13 +31,22 @@ from .loading import assemble_chunk
 from .local import run_local
 from .progress import StreamProgress, progress_enabled
 
-if TYPE_CHECKING:  # pragma: no cover
-    from ..estimator import RenewableHuberRegressor
-
 
 @dataclass(frozen=True)
-class StreamOptions:
-    """The estimator's distributed-walk parameters, validated."""
+class WalkOptions:
+    """How a Dask collection is walked: the estimator's walk parameters, validated.
+
+    Attributes
+    ----------
+    lookahead : int
+        Chunks loading ahead of the engine.
+    loader : str
+        One of :data:`~.coordinator.LOADERS`.
+    worker : str or None
+        Address of the worker for the engine actor (``None``: chosen).
+    progress : bool
+        Whether a progress bar is shown.
+    """
 
     lookahead: int
     loader: str
@@ -43,23 +54,24 @@ class StreamOptions:
     progress: bool
 
     @classmethod
-    def from_model(cls, model: Any) -> StreamOptions:
-        lookahead = getattr(model, "lookahead", 8)
+    def from_params(
+        cls, lookahead: Any = 8, loader: Any = "auto", worker: Any = None, progress: Any = None
+    ) -> WalkOptions:
+        """Check the estimator's parameters; raise :class:`ValidationError` naming the bad one.
+
+        ``progress=None`` shows the bar when stderr is a terminal.
+        """
         if (
             isinstance(lookahead, (bool, np.bool_))
             or not isinstance(lookahead, (int, np.integer))
             or lookahead < 1
         ):
             raise ValidationError(f"lookahead must be an integer >= 1, got {lookahead!r}")
-        loader = getattr(model, "loader", "auto")
         if loader not in LOADERS:
             raise ValidationError(f"loader must be one of {LOADERS}, got {loader!r}")
-        worker = getattr(model, "worker", None)
         if worker is not None and not isinstance(worker, str):
             raise ValidationError(f"worker must be a worker address (str), got {worker!r}")
-        return cls(
-            int(lookahead), loader, worker, progress_enabled(getattr(model, "progress", None))
-        )
+        return cls(int(lookahead), loader, worker, progress_enabled(progress))
 
 
 def current_client() -> Any | None:
@@ -102,18 +114,13 @@ def _known(chunks: tuple[float, ...]) -> bool:
     return not any(math.isnan(c) for c in chunks)
 
 
-def _check_against_model(stream: AlignedStream, model: Any, fitted: bool) -> None:
-    """Width and feature names of the collection versus the stream so far."""
-    owner = type(model).__name__
-    if fitted and stream.n_features is not None and stream.n_features != model.n_features_in_:
+def _check_width(aligned: AlignedStream, stream: Stream, owner: str) -> None:
+    """The collection's width versus a started stream's."""
+    if aligned.n_features is not None and aligned.n_features != stream.n_features:
         raise ValidationError(
-            f"X has {stream.n_features} features, but {owner} is expecting "
-            f"{model.n_features_in_} features as input."
+            f"X has {aligned.n_features} features, but {owner} is expecting "
+            f"{stream.n_features} features as input."
         )
-    names = None if stream.feature_names is None else np.asarray(stream.feature_names, object)
-    check_feature_names(
-        names, getattr(model, "feature_names_in_", None), fitted=fitted, owner=owner
-    )
 
 
 def column_vector_target(y: Any) -> Any:
@@ -140,96 +147,96 @@ def column_vector_target(y: Any) -> Any:
 
 
 def stream_fit(
-    model: RenewableHuberRegressor,
+    stream: Stream,
     X: Any,
     y: Any,
-    sample_weight: Any | None = None,
+    sample_weight: Any | None,
+    options: WalkOptions,
     *,
-    fresh: bool = False,
-) -> RenewableHuberRegressor:
-    """Continue ``model``'s stream over every chunk of ``X`` (Dask array or DataFrame).
+    device: Any = None,
+    owner: str = "RenewableHuberRegressor",
+) -> int:
+    """Walk every chunk of ``X`` (Dask array or DataFrame), in order, into ``stream``.
 
     Parameters
     ----------
-    model : RenewableHuberRegressor
+    stream : Stream
+        The stream to continue, or an unstarted one (``fit``, or a first
+        ``partial_fit``) that the first consumed batch starts.
     X : dask.array.Array or dask.dataframe.DataFrame
         Row chunks / partitions are the batches, in index order.
     y : Dask array or Series, in-memory vector cut at X's chunks, or a column name of X
     sample_weight : like ``y``, or None
-    fresh : bool, default=False
-        Start a new stream (``fit``) rather than continue the model's. The
-        model's current stream is forgotten only once the new one has
-        consumed a batch, so every refusal before that leaves it as it was.
+    options : WalkOptions
+    device : Any, optional
+        Device argument of an engine started for the stream.
+    owner : str, optional
+        The estimator's name, for error messages.
 
     Returns
     -------
-    model
+    int
+        The number of batches consumed.
 
     Raises
     ------
     ValidationError
-        When the inputs do not fit together or the model, or every chunk is
-        empty (nothing consumed, the model unchanged).
+        When the inputs do not fit together or the stream, or every chunk of
+        an unstarted stream is empty (the stream unchanged).
     StreamError
-        When a chunk fails mid-stream (``chunk_index`` says which); the model
-        then holds the state after the last good chunk and ``partial_fit`` can
-        continue (a ``fit`` whose first chunk fails leaves the model as it
-        was). :class:`~rh_dask.exceptions.BadChunkError`, a ``ValidationError``
-        too, when the chunk's data was refused;
-        :class:`~rh_dask.distributed.ActorLostError` when the engine's worker
-        died (the model keeps its state from before the call).
+        When a chunk fails mid-stream (``chunk_index`` says which); the stream
+        then holds the state after the last good chunk and can continue (an
+        unstarted stream whose first chunk fails stays unstarted).
+        :class:`~rh_dask.exceptions.BadChunkError`, a ``ValidationError`` too,
+        when the chunk's data was refused;
+        :class:`~rh_dask.exceptions.ActorLostError` when the engine's worker
+        died (the stream keeps its state from before the call).
     """
-    # Every up-front check runs before the model changes in any way.
-    options = StreamOptions.from_model(model)
-    config = model._make_config()
-    fitted = not fresh and hasattr(model, "n_features_in_")
-    if not fresh:
-        model._check_stream_config(config)
-    engine = model.engine_ if fitted else resolve_engine_name(model.engine, model.device)
-    stream = align_stream(X, column_vector_target(y), sample_weight)
-    _check_row_chunks(stream)
-    _check_against_model(stream, model, fitted)
+    # Every up-front check runs before the stream changes in any way.
+    continuing = stream.started
+    aligned = align_stream(X, column_vector_target(y), sample_weight)
+    _check_row_chunks(aligned)
+    if continuing:
+        _check_width(aligned, stream, owner)
+        # Called from here, so that a warning's stacklevel reaches the estimator's method.
+        check_feature_names(_names(aligned), stream.feature_names, fitted=True, owner=owner)
     client = current_client()
-    with StreamProgress(stream.n_chunks, options.progress) as bar:
+    with StreamProgress(aligned.n_chunks, options.progress) as bar:
         if client is None:
-            n_batches = _fit_local(model, stream, config, engine, options, bar, fresh)
+            n_batches = _fit_local(stream, aligned, device, options, bar)
         else:
-            n_batches = _fit_cluster(model, client, stream, config, engine, options, bar, fresh)
-    if n_batches == 0 and not fitted:
+            n_batches = _fit_cluster(stream, client, aligned, device, options, bar)
+    if n_batches == 0 and not continuing:
         raise ValidationError(
-            f"every one of the {stream.n_chunks} chunks is empty: there is nothing to fit"
+            f"every one of the {aligned.n_chunks} chunks is empty: there is nothing to fit"
         )
-    return model
+    return n_batches
 
 
-def _names(stream: AlignedStream) -> np.ndarray | None:
-    return None if stream.feature_names is None else np.asarray(stream.feature_names, object)
+def _names(aligned: AlignedStream) -> np.ndarray | None:
+    return None if aligned.feature_names is None else np.asarray(aligned.feature_names, object)
 
 
 def _fit_local(
-    model: Any,
-    stream: AlignedStream,
-    config: Any,
-    engine_name: str,
-    options: StreamOptions,
+    stream: Stream,
+    aligned: AlignedStream,
+    device: Any,
+    options: WalkOptions,
     bar: StreamProgress,
-    fresh: bool,
 ) -> int:
-    """The single-process walk: the model's own engine, chunks computed here.
+    """The single-process walk: the stream's own engine, chunks computed here.
 
     Returns the number of batches consumed. Empty chunks are counted into the
-    model only with a consumed batch, or at the end of a clean walk that
-    continued a stream: a call that consumed nothing and raised changes
-    nothing.
+    stream only with a consumed batch, or at the end of a clean walk that
+    continued it: a call that consumed nothing and raised changes nothing.
     """
-    accept_device = engine_name == "gpu"
-    graph = ChunkGraph(
-        stream, assemble_chunk, lambda i: stream.spec(i, config.dtype, accept_device)
-    )
+    accept_device = stream.engine_name == "gpu"
+    dtype = stream.config.dtype
+    graph = ChunkGraph(aligned, assemble_chunk, lambda i: aligned.spec(i, dtype, accept_device))
     counts = {"batches": 0, "empty": 0}
-    names = _names(stream)
+    names = _names(aligned)
     limit = blas_limiter(STREAM_BLAS_THREADS)
-    continuing = not fresh and hasattr(model, "n_features_in_")
+    continuing = stream.started
 
     def consume(item: ChunkItem, waited: float) -> None:
         if isinstance(item, EmptyChunk):
@@ -239,29 +246,19 @@ def _fit_local(
         if isinstance(item, BadChunk):
             raise item.exception()
         try:
-            engine, diagnostics, seconds = model._fit_batch(
+            stream.consume(
                 item.X,
                 item.y,
                 item.sample_weight,
-                config,
-                engine_name,
-                fresh=fresh and counts["batches"] == 0,
+                device=device,
+                feature_names=names,
+                chunk=item.index,
+                wait_seconds=waited,
                 limit=limit,
             )
         except ValidationError as exc:
             message = f"chunk {item.index} was refused: {type(exc).__name__}: {exc}"
             raise chunk_error(item.index, exc, message) from exc
-        model._record_batch(
-            engine,
-            config,
-            diagnostics,
-            item.X.shape[1],
-            names,
-            rows=item.rows,
-            seconds=seconds,
-            chunk=item.index,
-            wait_seconds=waited,
-        )
         counts["batches"] += 1
         bar.update(1, item.rows)
 
@@ -269,37 +266,34 @@ def _fit_local(
         run_local(graph, options.lookahead, consume)
     except BaseException:
         if counts["batches"] and counts["empty"]:
-            model._count_empty_chunks(counts["empty"])
+            stream.count_empty(counts["empty"])
         raise
     if counts["empty"] and (counts["batches"] or continuing):
-        model._count_empty_chunks(counts["empty"])
+        stream.count_empty(counts["empty"])
     return counts["batches"]
 
 
 def _fit_cluster(
-    model: Any,
+    stream: Stream,
     client: Any,
-    stream: AlignedStream,
-    config: Any,
-    engine_name: str,
-    options: StreamOptions,
+    aligned: AlignedStream,
+    device: Any,
+    options: WalkOptions,
     bar: StreamProgress,
-    fresh: bool,
 ) -> int:
-    """The distributed walk; adopts the remote state even when the walk failed.
+    """The distributed walk; the stream adopts the remote state even when the walk failed.
 
     Returns the number of batches consumed; empty chunks are counted as in
     :func:`_fit_local`.
     """
-    continuing = not fresh and hasattr(model, "n_features_in_")
-    initial = model.state_ if continuing else None
+    continuing = stream.started
     walk = ClusterWalk(
         client,
-        stream,
-        config,
-        engine_name,
-        model.device,
-        initial,
+        aligned,
+        stream.config,
+        stream.engine_name,
+        device,
+        stream.state() if continuing else None,
         lookahead=options.lookahead,
         loader=options.loader,
         worker=options.worker,
@@ -307,30 +301,16 @@ def _fit_cluster(
         progress=bar,
     )
     outcome = walk.run()
-    records = [
-        (
-            r.chunk,
-            r.rows,
-            BatchDiagnostics(r.iterations, r.converged, r.objective, r.lambda_value, r.bandwidth),
-            r.seconds,
-            r.wait_seconds,
-            r.coefficients,
-        )
-        for r in outcome.records
-    ]
-    adopted = outcome.state is not None and bool(records)
+    adopted = outcome.state is not None and bool(outcome.records)
     if adopted:
-        model._adopt_stream(
-            config,
-            engine_name,
+        stream.adopt(
             outcome.state,
-            _names(stream),
-            records,
-            outcome.placement,
-            fresh=fresh,
+            outcome.records,
+            feature_names=_names(aligned),
+            placement=outcome.placement,
         )
     if outcome.n_empty and (adopted or (continuing and outcome.error is None)):
-        model._count_empty_chunks(outcome.n_empty)
+        stream.count_empty(outcome.n_empty)
     if outcome.error is not None:
         raise outcome.error
-    return len(records) if adopted else 0
+    return len(outcome.records) if adopted else 0

@@ -52,8 +52,10 @@ def _predict_block(
 
 
 def _model_terms(model: Any) -> tuple[np.ndarray, bool, str, int]:
-    config = model._config
-    return model._coefficients(), config.fit_intercept, config.dtype, model.n_features_in_
+    """β, ``fit_intercept``, dtype and width of a fitted model, from its public state."""
+    state = model.state_
+    beta = state.coefficients
+    return beta, state.fit_intercept, beta.dtype.name, state.n_features_in
 
 
 def predict_dask(model: Any, X: Any) -> da.Array:
