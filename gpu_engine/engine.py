@@ -315,7 +315,7 @@ class GpuEngine:
         return self._predictor.predict(X, self._closed)
 
     # -- internals ---------------------------------------------------------------------
-    def _device_views(self, X: Any, y: Any, sample_weight: Any | None) -> tuple[Any, ...]:
+    def _device_views(self, X: Any, y: Any, sample_weight: Any | None = None) -> tuple[Any, ...]:
         return self._inputs.device_views(X, y, sample_weight, self.n_features_in)
 
     def _fit(self, X: Any, y: Any, w: Any | None, staged: Any) -> BatchDiagnostics:

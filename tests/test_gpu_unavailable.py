@@ -68,3 +68,52 @@ def test_engine_options_are_checked_before_the_device_is_touched(options, messag
     # Refused on every machine, with or without CuPy: the options are checked first.
     with pytest.raises(ValidationError, match=message):
         gpu_engine.GpuEngine(HuberConfig(), **options)
+
+
+def test_partial_fit_stream_prefetches_one_batch_ahead_with_or_without_weights():
+    """The stream's order of calls, with the device parts stood in (no CuPy needed)."""
+    from contextlib import nullcontext
+    from types import SimpleNamespace
+
+    log: list = []
+
+    class Inputs:
+        def prefetch(self, X, y, w, n_features):
+            log.append(("prefetch", X, w))
+
+        def device_views(self, X, y, w, n_features):
+            log.append(("views", X, w))
+            return X, y, w, None
+
+    class Batches:
+        def run(self, X, y, w, staged, counters):
+            log.append(("fit", X, w))
+            return f"diagnostics {X}", SimpleNamespace(n_features_in=3)
+
+    class State:
+        counters = None
+
+        def advance(self, counters):
+            self.counters = counters
+
+    engine = object.__new__(gpu_engine.GpuEngine)
+    engine._cp = SimpleNamespace(cuda=SimpleNamespace(Device=lambda index: nullcontext()))
+    engine._device_id = 0
+    engine._inputs, engine._batches, engine._state = Inputs(), Batches(), State()
+    stream = [("a", "ya"), ("b", "yb", "wb"), ("c", "yc")]
+    assert list(engine.partial_fit_stream(stream)) == [
+        "diagnostics a",
+        "diagnostics b",
+        "diagnostics c",
+    ]
+    assert log == [
+        ("prefetch", "a", None),
+        ("views", "a", None),
+        ("prefetch", "b", "wb"),
+        ("fit", "a", None),
+        ("views", "b", "wb"),
+        ("prefetch", "c", None),
+        ("fit", "b", "wb"),
+        ("views", "c", None),
+        ("fit", "c", None),
+    ]
