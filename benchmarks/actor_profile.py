@@ -1,8 +1,9 @@
 """Where do the engine's worker threads spend a distributed fit? A sampling profile.
 
 Compares the engine inside the engine actor's worker with a plain process fed
-by loader threads (``pipeline_probe.py``). This diagnostic starts a fresh cluster per variant (a variant may change Dask configuration,
-which worker processes read at start-up), fits the on-disk dataset of
+by loader threads (``pipeline_probe.py``). This diagnostic starts a fresh
+cluster per variant (a variant may change Dask configuration, which worker
+processes read at start-up), fits the on-disk dataset of
 ``distributed_fit.py`` once, and meanwhile samples every thread's innermost
 frames inside the engine's worker every ``--interval`` seconds. It reports the
 wall time, the engine's busy and idle time (``history_``) and, per thread
