@@ -30,8 +30,8 @@ from .solver import DenseSolver
 from .workspace import Workspace
 
 #: ``cholesky="auto"`` takes the fused kernel up to this p. Measured on an H200
-#: (benchmarks/results/shape_sweep*.json, rh_gpu_kernel vs rh_gpu_cusolver and
-#: the earlier run that used the kernel up to p = 256): the kernel wins at
+#: (benchmarks/results/shape_sweep*.json, rh_gpu_kernel vs rh_gpu_cusolver, and
+#: a sweep that used the kernel up to p = 256): the kernel wins at
 #: p = 17 (0.42 vs 0.47 ms per stream), is within noise at p = 33 and loses at
 #: p = 91 (5.0-5.2 vs 3.4-3.5 ms), where its one-block factorisation is
 #: latency-bound.
