@@ -24,13 +24,21 @@ from pathlib import Path
 from typing import Any
 
 from common import environment, write_json
-from distributed_fit import SOURCE, dask_inputs, start_cluster, stop_cluster, write_dataset
+from distributed_fit import (
+    SOURCE,
+    dask_inputs,
+    parse_settings,
+    start_cluster,
+    stop_cluster,
+    write_dataset,
+)
 
 from rh_dask import RenewableHuberRegressor
 
 SCHEMA = "rh-dask/bench/actor-profile/1"
 
-#: Dask configuration of each variant (set before the cluster starts).
+#: Dask configuration of each variant (set before the cluster starts, and
+#: during the fits; ``--config`` adds to every variant).
 VARIANTS: dict[str, dict[str, Any]] = {
     "default": {},
     "noprofile": {"distributed.worker.profile.enabled": False},
@@ -91,8 +99,12 @@ def stop_sampler(top: int, dask_worker: Any = None) -> dict[str, Any]:
 def run_variant(args: Any, directory: Path, name: str) -> dict[str, Any]:
     import dask
 
-    with dask.config.set(VARIANTS[name]):
-        cluster, client, extra = start_cluster(args.engine, args.threads, 0, 0)
+    with dask.config.set({**parse_settings(args.config), **VARIANTS[name]}):
+        return _run_variant(args, directory)
+
+
+def _run_variant(args: Any, directory: Path) -> dict[str, Any]:
+    cluster, client, extra = start_cluster(args.engine, args.threads, 0, 0)
     try:
         params = dict(
             engine=args.engine, dtype=args.dtype, progress=False, lookahead=args.lookahead
@@ -133,6 +145,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--interval", type=float, default=0.002)
     p.add_argument("--top", type=int, default=12)
     p.add_argument("--variants", default="default,noprofile")
+    p.add_argument(
+        "--config",
+        default="rh-dask.distributed.heap-for-chunks=true",
+        help="dask.config settings of every variant, KEY=VALUE,...",
+    )
     p.add_argument("--data-dir", default="/tmp/rhbench")
     p.add_argument("--source", choices=["pread", "mmap"], default="pread")
     p.add_argument("--output", default="benchmarks/results/actor_profile.json")

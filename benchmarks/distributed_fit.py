@@ -42,7 +42,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import importlib
+import dataclasses
 import json
 import os
 import sys
@@ -55,7 +55,9 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
+import dask.config
 import numpy as np
+import yaml
 from common import environment, fit_chunks, write_json
 
 from rh_dask import HuberConfig, RenewableHuberRegressor, make_engine
@@ -348,69 +350,49 @@ def stop_cluster(cluster: Any, client: Any, extra: list[Any]) -> None:
     cluster.close()
 
 
-def _set_constant(module: str, name: str, value: Any) -> Any:
-    """Set ``<module>.<name>`` in this process; return the old value.
+def parse_settings(text: str) -> dict[str, Any]:
+    """``key=value,key=value`` as dask.config settings (values read as YAML scalars).
 
-    ``module`` is a module of ``rh_dask.distributed``, or a dotted path of the
-    GPU engine's (``gpu_engine.driver``).
+    Keys are dask.config keys, e.g. ``rh-dask.distributed.pin-max-bytes=0``
+    or ``rh-dask.gpu.hold-gil=false``; ``lookahead`` is left to the caller.
     """
-    path = module if module.startswith("gpu_engine") else f"rh_dask.distributed.{module}"
-    target = importlib.import_module(path)
-    old = getattr(target, name)
-    setattr(target, name, value)
-    return old
+    pairs = [item.split("=", 1) for item in text.split(",") if item]
+    bad = [item for item in pairs if len(item) != 2]
+    if bad:
+        raise SystemExit(f"a setting is KEY=VALUE, got {'='.join(bad[0])!r}")
+    return {key: yaml.safe_load(value) for key, value in pairs}
 
 
 @contextlib.contextmanager
-def coordinator_settings(variant: str, client: Any = None) -> Iterator[None]:
-    """Set module constants for one run.
+def run_settings(settings: dict[str, Any], client: Any = None) -> Iterator[None]:
+    """Set dask.config ``settings`` on the client for one run (checked on the way in).
 
-    ``NAME=value`` sets a constant of the coordinator (read in this process);
-    ``module.NAME=value`` one of ``rh_dask.distributed.<module>`` (or of
-    ``gpu_engine.<module>``, spelt out) here and on every worker (read where
-    the engine runs, e.g. ``consumer.STREAM_BLAS_THREADS``). Parked engines are
-    closed on the way in and out, so that constants read when an engine is
-    created (``gpu_engine.driver.HOLD_GIL``) apply to this run only.
+    The fit reads them here and hands them to the engine's actor, so workers
+    need no change. Engines parked on the cluster are closed on the way in
+    and out when a setting decides how an engine is built (``rh-dask.gpu.*``),
+    so that the run measures engines built with it.
     """
     from rh_dask.distributed import release_engines
+    from rh_dask.settings import Settings
 
-    saved: list[tuple[str, str, Any, bool]] = []
-    try:
-        for setting in [v for v in variant.split(",") if v]:
-            path, value = setting.split("=")
-            module, _, name = path.rpartition(".")
-            value = json.loads(value)
-            remote = bool(module) and client is not None
-            module = module or "coordinator"
-            saved.append((module, name, _set_constant(module, name, value), remote))
-            if remote:
-                client.run(_set_constant, module, name, value)
-        if any(remote for *_, remote in saved):
+    fresh = client is not None and any(k.startswith("rh-dask.gpu.") for k in settings)
+    with dask.config.set(settings):
+        Settings.from_config()  # a malformed value stops here, before any run
+        if fresh:
             release_engines(client)
-        yield
-    finally:
-        for module, name, value, remote in reversed(saved):
-            _set_constant(module, name, value)
-            if remote:
-                client.run(_set_constant, module, name, value)
-        if any(remote for *_, remote in saved):
-            release_engines(client)
+        try:
+            yield
+        finally:
+            if fresh:
+                release_engines(client)
 
 
 # -- the methods ------------------------------------------------------------------------------
-def run_rh_dask(
-    args, directory, chunk_rows, loader, lookahead, client, switch=None
-) -> dict[str, Any]:
-    from rh_dask.distributed import coordinator
+def run_rh_dask(args, directory, chunk_rows, loader, lookahead, client) -> dict[str, Any]:
+    from rh_dask.settings import Settings
 
-    default = coordinator.ENGINE_SWITCH_INTERVAL
-    if switch is not None:
-        coordinator.ENGINE_SWITCH_INTERVAL = switch
-    try:
-        result = _run_rh_dask(args, directory, chunk_rows, loader, lookahead)
-    finally:
-        coordinator.ENGINE_SWITCH_INTERVAL = default
-    result["engine_switch_interval"] = switch if switch is not None else default
+    result = _run_rh_dask(args, directory, chunk_rows, loader, lookahead)
+    result["settings"] = dataclasses.asdict(Settings.from_config())
     return result
 
 
@@ -576,12 +558,6 @@ def main(argv: list[str] | None = None) -> int:
         help="loaders to run (the first is the headline result)",
     )
     p.add_argument("--lookahead-sweep", default="", help="extra look-aheads (first chunk size)")
-    p.add_argument(
-        "--switch-intervals",
-        default="",
-        help="extra runs (every chunk size) with these thread switch intervals on the "
-        "engine's worker, seconds",
-    )
     p.add_argument("--opponent-rows", type=int, default=None, help="rows for the opponents")
     p.add_argument("--skip", default="", help="comma list of methods to skip")
     p.add_argument(
@@ -593,12 +569,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--variants",
         default="",
-        help="extra runs of the headline loader with settings of "
-        "rh_dask.distributed.coordinator, e.g. 'FEEDER_THREADS=4;HEAP_FOR_CHUNKS=false' "
-        "(';' between runs, ',' between settings of one run; 'lookahead=16' sets the "
-        "estimator's look-ahead; 'module.NAME=value' sets a constant of "
-        "rh_dask.distributed.<module> on every worker too, 'gpu_engine.driver.NAME=value' "
-        "one of the GPU engine's)",
+        help="extra runs of the headline loader with other dask.config settings, e.g. "
+        "'rh-dask.distributed.pin-max-bytes=0;rh-dask.gpu.hold-gil=false' (';' between "
+        "runs, ',' between settings of one run; 'lookahead=16' sets the estimator's "
+        "look-ahead)",
+    )
+    p.add_argument(
+        "--config",
+        default="rh-dask.distributed.heap-for-chunks=true",
+        help="dask.config settings of every run, KEY=VALUE,... (default: the engine's "
+        "worker keeps chunks on malloc's heap, as in docs/performance.md's figures; "
+        "'' for the packaged defaults)",
     )
     p.add_argument("--repeats", type=int, default=3, help="runs per method (median kept)")
     p.add_argument(
@@ -615,12 +596,16 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--output", default="benchmarks/results/distributed_fit.json")
     args = p.parse_args(argv)
+    with dask.config.set(parse_settings(args.config)):
+        return benchmark(args)
 
+
+def benchmark(args: argparse.Namespace) -> int:
+    """Every run of the benchmark (under the ``--config`` settings); writes the JSON."""
     cores = os.cpu_count() or 1
     threads = args.threads or max(1, cores - 4)
     sizes = [int(s) for s in args.chunk_rows.split(",") if s]
     sweep = [int(s) for s in args.lookahead_sweep.split(",") if s]
-    switches = [float(s) for s in args.switch_intervals.split(",") if s]
     skip = set(args.skip.split(",")) - {""}
     main_loader, *other_loaders = [s for s in args.loaders.split(",") if s]
     REPEATS["n"] = args.repeats
@@ -662,23 +647,15 @@ def main(argv: list[str] | None = None) -> int:
                 print(name, methods[name].get("wall_seconds"), flush=True)
             for variant in [v for v in args.variants.split(";") if v]:
                 name = f"rh_dask[{main_loader},K={args.lookahead},{variant}]"
-                settings = dict(v.split("=") for v in variant.split(","))
+                settings = parse_settings(variant)
                 k = int(settings.pop("lookahead", args.lookahead))
                 run = partial(run_rh_dask, args, directory, size, main_loader, k, client)
-                variant_settings = ",".join(f"{a}={b}" for a, b in settings.items())
-                with coordinator_settings(variant_settings, client):
+                with run_settings(settings, client):
                     guarded(methods, name, run)
                 print(name, methods[name].get("wall_seconds"), flush=True)
             for loader in other_loaders:
                 name = f"rh_dask[{loader},K={args.lookahead}]"
                 run = partial(run_rh_dask, args, directory, size, loader, args.lookahead, client)
-                guarded(methods, name, run)
-                print(name, methods[name].get("wall_seconds"), flush=True)
-            for si in switches:
-                name = f"rh_dask[{main_loader},K={args.lookahead},switch={si}]"
-                run = partial(
-                    run_rh_dask, args, directory, size, main_loader, args.lookahead, client, si
-                )
                 guarded(methods, name, run)
                 print(name, methods[name].get("wall_seconds"), flush=True)
             if "incremental" not in skip:

@@ -170,6 +170,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--gil", action="store_true", help="sample only the thread holding the interpreter lock"
     )
+    p.add_argument(
+        "--config",
+        default="rh-dask.distributed.heap-for-chunks=true",
+        help="dask.config settings of the fits, KEY=VALUE,... (e.g. rh-dask.gpu.hold-gil=false)",
+    )
     p.add_argument("--output", default="benchmarks/results/native_profile.json")
     args = p.parse_args(argv)
     payload: dict[str, Any] = {"schema": SCHEMA, "arguments": vars(args)}
@@ -178,7 +183,11 @@ def main(argv: list[str] | None = None) -> int:
     else:
         payload["environment"] = environment()
         raw = Path(args.raw_output or Path(tempfile.mkdtemp()) / "native.txt")
-        payload["recording"] = record(args, raw)
+        import dask.config
+        from distributed_fit import parse_settings
+
+        with dask.config.set(parse_settings(args.config)):
+            payload["recording"] = record(args, raw)
     if args.gil:
         payload["gil_holders"] = classify_gil(raw)
         if not args.raw_input:  # samples nobody held the lock for are not recorded

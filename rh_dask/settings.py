@@ -5,19 +5,36 @@ and are merged into dask's configuration when :mod:`rh_dask` is imported,
 the way ``distributed`` adds its own; a user's dask YAML files,
 ``dask.config.set`` and ``DASK_RH_DASK__...`` environment variables
 override them.
+
+:class:`Settings` holds every one of them, read and checked at once by
+:meth:`Settings.from_config`. A distributed fit builds it once, on the
+client, and hands it to the engine's actor as an argument: a value set on
+the client is the value used on the worker, whatever that worker's own
+configuration says.
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import dask.config
 import yaml
+from dask.utils import parse_bytes, parse_timedelta
 
-from .exceptions import RhDaskError
+from .exceptions import ValidationError
 
-__all__ = ["IN_PROCESS_MAX_ROWS", "SettingError", "defaults", "in_process_max_rows"]
+__all__ = [
+    "IN_PROCESS_MAX_ROWS",
+    "SettingError",
+    "Settings",
+    "defaults",
+    "env_name",
+    "in_process_max_rows",
+    "setting_keys",
+]
 
 #: Rows below which ``--scheduler auto`` runs a command in this process.
 IN_PROCESS_MAX_ROWS = "rh-dask.cli.in-process-max-rows"
@@ -25,8 +42,12 @@ IN_PROCESS_MAX_ROWS = "rh-dask.cli.in-process-max-rows"
 _DEFAULTS_FILE = os.path.join(os.path.dirname(__file__), "rh-dask.yaml")
 
 
-class SettingError(RhDaskError, ValueError):
-    """A setting of the ``rh-dask`` namespace holds a value it cannot take."""
+class SettingError(ValidationError):
+    """A setting of the ``rh-dask`` namespace holds a value it cannot take.
+
+    A :class:`~rh_dask.exceptions.ValidationError` (and so a ``ValueError``);
+    the message names the setting and its environment variable.
+    """
 
 
 def defaults() -> dict[str, Any]:
@@ -35,8 +56,73 @@ def defaults() -> dict[str, Any]:
         return yaml.safe_load(handle)
 
 
-def _env_name(key: str) -> str:
+def env_name(key: str) -> str:
+    """The environment variable dask reads ``key`` from (``DASK_RH_DASK__...``)."""
     return "DASK_" + "__".join(part.replace("-", "_").upper() for part in key.split("."))
+
+
+def _refuse(key: str, expected: str, value: Any) -> SettingError:
+    return SettingError(f"setting {key} ({env_name(key)}) must be {expected}, got {value!r}")
+
+
+def _whole(key: str, value: Any) -> int:
+    """A whole number >= 0; text as YAML or an environment variable leaves it."""
+    if isinstance(value, str):
+        text = value.strip().replace("_", "")
+        value = int(text) if text.isdigit() else value
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise _refuse(key, "a whole number >= 0", value)
+    return value
+
+
+def _bytes(key: str, value: Any) -> int:
+    """A size >= 0: a whole number of bytes or text such as ``"48 MiB"``."""
+    if isinstance(value, str):
+        try:
+            value = parse_bytes(value.strip().replace("_", ""))
+        except (ValueError, TypeError):
+            pass
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise _refuse(key, 'a size >= 0 (bytes, or text such as "48 MiB")', value)
+    return value
+
+
+def _seconds(key: str, value: Any, *, positive: bool) -> float:
+    """A duration: a number of seconds or text such as ``"250ms"`` or ``"1 minute"``."""
+    parsed: Any = value
+    if isinstance(value, str):
+        try:
+            parsed = parse_timedelta(value.strip())
+        except (ValueError, KeyError, TypeError):
+            parsed = value
+    bound = "> 0" if positive else ">= 0"
+    if (
+        isinstance(parsed, bool)
+        or not isinstance(parsed, (int, float))
+        or parsed != parsed  # NaN
+        or parsed in (float("inf"), float("-inf"))
+        or parsed < 0
+        or (positive and parsed == 0)
+    ):
+        raise _refuse(key, f'a duration {bound} (seconds, or text such as "250ms")', value)
+    return float(parsed)
+
+
+_TRUE = {"true", "yes", "on", "1"}
+_FALSE = {"false", "no", "off", "0"}
+
+
+def _flag(key: str, value: Any) -> bool:
+    """A boolean; environment text ``true``/``false``, ``yes``/``no``, ``1``/``0``."""
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, int) and value in (0, 1):
+        return bool(value)
+    if isinstance(value, str) and value.strip().lower() in _TRUE | _FALSE:
+        return value.strip().lower() in _TRUE
+    raise _refuse(key, "true or false", value)
 
 
 def in_process_max_rows() -> int:
@@ -47,16 +133,99 @@ def in_process_max_rows() -> int:
     SettingError
         When the value is not a whole number ≥ 0.
     """
-    value = dask.config.get(IN_PROCESS_MAX_ROWS)
-    if isinstance(value, str):  # a YAML or environment value dask left as text
-        value = value.strip().replace("_", "")
-        value = int(value) if value.isdigit() else value
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise SettingError(
-            f"setting {IN_PROCESS_MAX_ROWS} ({_env_name(IN_PROCESS_MAX_ROWS)}) must be a "
-            f"whole number >= 0, got {value!r}"
+    return _whole(IN_PROCESS_MAX_ROWS, dask.config.get(IN_PROCESS_MAX_ROWS))
+
+
+@dataclass(frozen=True)
+class Settings:
+    """Every setting of the ``rh-dask`` namespace, checked.
+
+    Build it with :meth:`from_config`; the field defaults are the packaged
+    defaults (``rh-dask.yaml``), for callers (tests, benchmarks) that build
+    an actor without dask's configuration.
+
+    Attributes
+    ----------
+    in_process_max_rows : int
+        ``rh-dask.cli.in-process-max-rows``: with ``--scheduler auto``, inputs
+        of fewer rows run in the command's own process.
+    poll_interval : float
+        ``rh-dask.distributed.poll-interval``: seconds one progress poll of
+        the engine's actor may wait on its worker before answering; also how
+        often the client's progress bar moves and a lost worker is noticed.
+    pin_max_bytes : int
+        ``rh-dask.distributed.pin-max-bytes``: chunks up to this size are
+        copied into the engine's pinned pool (the GPU engine has one) on the
+        loading threads; larger ones are staged by the engine (0: never).
+    pin_mapped : bool
+        ``rh-dask.distributed.pin-mapped``: chunks that are views of a
+        memory-mapped file are pinned whatever their size.
+    engine_keep : float
+        ``rh-dask.distributed.engine-keep``: seconds an engine stays parked on
+        its worker after a clean stream, for the next fit (0: closed).
+    heap_for_chunks : bool
+        ``rh-dask.distributed.heap-for-chunks``: while a stream runs, the
+        engine's worker process serves chunk-sized allocations from malloc's
+        heap (glibc's ``mallopt``; a process-wide change, restored when the
+        stream ends). Off unless asked for.
+    gpu_graphs : bool
+        ``rh-dask.gpu.graphs``: the GPU engine replays captured CUDA graphs.
+    gpu_hold_gil : bool
+        ``rh-dask.gpu.hold-gil``: the GPU engine's thread keeps the
+        interpreter lock through its queueing CUDA calls.
+    """
+
+    in_process_max_rows: int = 10_000_000
+    poll_interval: float = 0.25
+    pin_max_bytes: int = 48 << 20
+    pin_mapped: bool = True
+    engine_keep: float = 60.0
+    heap_for_chunks: bool = False
+    gpu_graphs: bool = True
+    gpu_hold_gil: bool = True
+
+    @classmethod
+    def from_config(cls) -> Settings:
+        """Read every setting from :mod:`dask.config` and check it.
+
+        Raises
+        ------
+        SettingError
+            Naming the first setting whose value it cannot take.
+        """
+        return cls(
+            **{name: parse(key, dask.config.get(key)) for name, (key, parse) in _KEYS.items()}
         )
-    return value
+
+    def engine_options(self, engine: str) -> dict[str, Any]:
+        """Keyword options of ``engine``'s constructor that these settings decide."""
+        if engine == "gpu":
+            return {"graphs": self.gpu_graphs, "hold_gil": self.gpu_hold_gil}
+        return {}
+
+
+#: Field of :class:`Settings` -> its dask.config key and the check of its value.
+_KEYS: dict[str, tuple[str, Callable[[str, Any], Any]]] = {
+    "in_process_max_rows": (IN_PROCESS_MAX_ROWS, _whole),
+    "poll_interval": (
+        "rh-dask.distributed.poll-interval",
+        lambda key, value: _seconds(key, value, positive=True),
+    ),
+    "pin_max_bytes": ("rh-dask.distributed.pin-max-bytes", _bytes),
+    "pin_mapped": ("rh-dask.distributed.pin-mapped", _flag),
+    "engine_keep": (
+        "rh-dask.distributed.engine-keep",
+        lambda key, value: _seconds(key, value, positive=False),
+    ),
+    "heap_for_chunks": ("rh-dask.distributed.heap-for-chunks", _flag),
+    "gpu_graphs": ("rh-dask.gpu.graphs", _flag),
+    "gpu_hold_gil": ("rh-dask.gpu.hold-gil", _flag),
+}
+
+
+def setting_keys() -> dict[str, str]:
+    """Field of :class:`Settings` -> its ``dask.config`` key."""
+    return {name: key for name, (key, _) in _KEYS.items()}
 
 
 dask.config.update_defaults(defaults())

@@ -19,6 +19,7 @@ import os
 import time
 
 import dask.array as da
+import dask.config
 import dask.dataframe as dd
 import numpy as np
 import pandas as pd
@@ -426,22 +427,102 @@ def test_interrupted_walk_keeps_the_consumed_chunks(client, monkeypatch, loader)
     np.testing.assert_array_equal(model.coef_history_, ref.coef_history_)
 
 
-def _switch_interval(dask_worker=None):
-    import sys
+def _record_heap_calls(dask_worker=None):
+    """On a worker: count calls of the malloc helper and of the restore it returns."""
+    from rh_dask.distributed import memory
 
-    return sys.getswitchinterval()
+    calls = {"applied": 0, "restored": 0}
+
+    def recording(*args, **kwargs):
+        calls["applied"] += 1
+
+        def restore():
+            calls["restored"] += 1
+
+        return restore
+
+    memory._saved = (memory.heap_for_chunks, calls)
+    memory.heap_for_chunks = recording
 
 
-def test_switch_interval_is_set_for_the_stream_and_restored(client, monkeypatch):
-    import rh_dask.distributed.coordinator as coordinator
+def _heap_calls(dask_worker=None):
+    """On a worker: the counts of :func:`_record_heap_calls`, and the helper put back."""
+    from rh_dask.distributed import memory
 
-    before = client.run(_switch_interval)
-    monkeypatch.setattr(coordinator, "ENGINE_SWITCH_INTERVAL", 0.001)
+    original, calls = memory._saved
+    memory.heap_for_chunks = original
+    del memory._saved
+    return calls
+
+
+def _worker_setting(key, dask_worker=None):
+    import dask.config
+
+    return dask.config.get(key)
+
+
+def _parked(dask_worker=None):
+    from rh_dask.distributed import shelf
+
+    return shelf.parked()
+
+
+def test_the_workers_process_settings_change_only_when_asked(client):
+    """Malloc's settings on the engine's worker change only with heap-for-chunks on.
+
+    The value is set on the client only (the worker processes started before
+    it, with the packaged default): it reaches the actor with its settings.
+    """
+    key = "rh-dask.distributed.heap-for-chunks"
     X, y, _ = _data(n=1_000, seed=26)
-    RenewableHuberRegressor(progress=False).fit(
-        da.from_array(X, chunks=(500, 5)), da.from_array(y, 500)
+    Xd, yd = da.from_array(X, chunks=(500, 5)), da.from_array(y, 500)
+    before = client.run(lambda: __import__("sys").getswitchinterval())
+    for asked in (False, True):
+        client.run(_record_heap_calls)
+        try:
+            with dask.config.set({key: asked}):
+                model = RenewableHuberRegressor(progress=False).fit(Xd, yd)
+        finally:
+            calls = client.run(_heap_calls)
+        host = model.placement_["worker"]
+        expected = {"applied": int(asked), "restored": int(asked)}
+        assert calls[host] == expected, (asked, calls)
+        assert all(c == {"applied": 0, "restored": 0} for a, c in calls.items() if a != host)
+    assert set(client.run(_worker_setting, key).values()) == {False}
+    assert client.run(lambda: __import__("sys").getswitchinterval()) == before
+
+
+def test_settings_set_on_the_client_reach_the_engines_worker(client):
+    X, y, _ = _data(n=1_000, seed=27)
+    Xd, yd = da.from_array(X, chunks=(500, 5)), da.from_array(y, 500)
+    release_engines(client)
+    with dask.config.set({"rh-dask.distributed.engine-keep": 0}):
+        RenewableHuberRegressor(progress=False).fit(Xd, yd)
+    assert set(client.run(_parked).values()) == {0}  # closed with its actor
+    assert set(client.run(_worker_setting, "rh-dask.distributed.engine-keep").values()) == {"60s"}
+    with dask.config.set({"rh-dask.distributed.engine-keep": "1 minute"}):
+        model = RenewableHuberRegressor(progress=False).fit(Xd, yd)
+    assert client.run(_parked)[model.placement_["worker"]] == 1
+    release_engines(client)
+
+
+def test_a_malformed_setting_refuses_the_fit_and_leaves_the_model(client):
+    from rh_dask.settings import SettingError
+
+    X, y, _ = _data(n=1_000, seed=28)
+    Xd, yd = da.from_array(X, chunks=(500, 5)), da.from_array(y, 500)
+    model = RenewableHuberRegressor(progress=False).fit(Xd, yd)
+    state, history = model.state_, model.history_.copy()
+    key = "rh-dask.distributed.poll-interval"
+    with dask.config.set({key: "soon"}), pytest.raises(SettingError) as err:
+        model.partial_fit(Xd, yd)
+    assert str(err.value) == (
+        f"setting {key} (DASK_RH_DASK__DISTRIBUTED__POLL_INTERVAL) must be a duration > 0 "
+        "(seconds, or text such as \"250ms\"), got 'soon'"
     )
-    assert client.run(_switch_interval) == before
+    assert isinstance(err.value, ValidationError)
+    assert model.state_.equals(state)
+    pd.testing.assert_frame_equal(model.history_, history)
 
 
 # -- refits, continuation and parameters --------------------------------------------------
@@ -545,7 +626,7 @@ def _gpu_is_numpy(dask_worker=None):
     import rh_dask.distributed.actor as actor_module
     from rh_dask.engines import NumpyEngine
 
-    def make(name, config, device=None):
+    def make(name, config, device=None, **options):
         return NumpyEngine(config)
 
     actor_module.make_engine = make

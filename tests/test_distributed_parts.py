@@ -378,6 +378,7 @@ class _FakePool:
 @pytest.mark.parametrize("pin_mapped", [False, True])
 def test_actor_pins_small_chunks_and_mapped_chunks_of_any_size(tmp_path, pin_mapped):
     from rh_dask.distributed.actor import EngineActor, _mapped
+    from rh_dask.settings import Settings
 
     np.save(tmp_path / "X.npy", np.ones((4_000, 8)))
     mapped = np.load(tmp_path / "X.npy", mmap_mode="r")
@@ -385,7 +386,8 @@ def test_actor_pins_small_chunks_and_mapped_chunks_of_any_size(tmp_path, pin_map
     assert not _mapped(np.array(mapped[:10])) and not _mapped(np.ones(3))
     assert not _mapped(pickle.loads(pickle.dumps(mapped[:10])))  # bytes travelled with it
 
-    actor = EngineActor("numpy", HuberConfig(), pin_max_bytes=10_000, pin_mapped=pin_mapped)
+    settings = Settings(pin_max_bytes=10_000, pin_mapped=pin_mapped)
+    actor = EngineActor("numpy", HuberConfig(), settings=settings)
     try:
         actor._pool = pool = _FakePool()
         y = np.zeros(2_000)

@@ -24,7 +24,6 @@ import asyncio
 import logging
 import mmap
 import os
-import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -33,14 +32,14 @@ from distributed import get_worker
 
 from ..config import HuberConfig
 from ..engines import make_engine
+from ..settings import Settings
 from ..state import HuberState
-from . import shelf
+from . import memory, shelf
 from .chunks import ChunkGraph
 from .consumer import OrderedConsumer, Progress
 from .feeder import ChunkFeeder
 from .items import ChunkItem, LoadedChunk
 from .loading import assemble_chunk
-from .memory import heap_for_chunks
 
 logger = logging.getLogger(__name__)
 
@@ -60,26 +59,16 @@ class EngineActor:
     blas_threads : int or None
         BLAS threads for engine calls (see
         :data:`~rh_dask.distributed.consumer.STREAM_BLAS_THREADS`).
-    switch_interval : float or None
-        The interpreter's thread switch interval (seconds) on this worker while
-        a stream runs (``None``: unchanged); restored when the stream ends.
-        The engine thread shares the GIL with the threads loading chunks and
-        with the worker's event loop; each time it gets the GIL back after a
-        device synchronisation it may wait up to this interval.
-    heap_for_chunks : bool
-        Whether this worker's malloc keeps chunk-sized allocations on its heap
-        while a stream runs (see :mod:`.memory`); restored when it ends.
-    pin_max_bytes : int
-        Delivered chunks up to this size are copied into the engine's pinned
-        pool, when it has one (0: never).
-    pin_mapped : bool
-        Whether chunks that are views of a memory-mapped file are copied into
-        the pinned pool whatever their size: that copy is their read from the
-        page cache, so it replaces a copy rather than adding one.
-    keep_seconds : float
-        How long the engine stays parked on this worker after a clean stream,
-        for the next actor with the same engine, configuration and device
-        (see :mod:`.shelf`; 0: closed with the actor).
+    settings : Settings, optional
+        The ``rh-dask`` settings the client read for this stream (default: the
+        packaged defaults); this worker's own :mod:`dask.config` is not read.
+        The actor uses ``pin_max_bytes`` and ``pin_mapped`` (which delivered
+        chunks it copies into the engine's pinned pool, when it has one),
+        ``engine_keep`` (how long the engine stays parked on this worker after
+        a clean stream, see :mod:`.shelf`), ``heap_for_chunks`` (this worker's
+        malloc keeps chunk-sized allocations on its heap while a stream runs,
+        see :mod:`.memory`; restored when it ends) and the engine's options
+        (:meth:`Settings.engine_options`).
     """
 
     def __init__(
@@ -88,27 +77,28 @@ class EngineActor:
         config: HuberConfig,
         device: Any = None,
         blas_threads: int | None = None,
-        switch_interval: float | None = None,
-        heap_for_chunks: bool = False,
-        pin_max_bytes: int = 0,
-        pin_mapped: bool = False,
-        keep_seconds: float = 0.0,
+        settings: Settings | None = None,
     ) -> None:
-        self._switch_interval = switch_interval
-        self._saved_interval: float | None = None
-        self._heap_for_chunks = heap_for_chunks
+        self.settings = Settings() if settings is None else settings
         self._restore_heap: Callable[[], None] | None = None
-        # Workers of one process (a threaded LocalCluster) each keep their own.
-        self._shelf_key = (_worker_address(), engine, config, device, blas_threads)
-        self._keep_seconds = float(keep_seconds)
+        options = self.settings.engine_options(engine)
+        # Workers of one process (a threaded LocalCluster) each keep their own;
+        # an engine built with other options is never taken for this stream.
+        self._shelf_key = (
+            _worker_address(),
+            engine,
+            config,
+            device,
+            blas_threads,
+            tuple(sorted(options.items())),
+        )
         warm = shelf.take(self._shelf_key)
         self.reused = warm is not None
         self._consumer = warm or OrderedConsumer(
-            lambda: make_engine(engine, config, device), blas_threads=blas_threads
+            lambda: make_engine(engine, config, device, settings=self.settings),
+            blas_threads=blas_threads,
         )
         self._pool = getattr(self._consumer.engine, "pinned_pool", None)
-        self._pin_max_bytes = int(pin_max_bytes)
-        self._pin_mapped = bool(pin_mapped)
         self._closed = False
         self._feeder: ChunkFeeder | None = None
 
@@ -128,11 +118,8 @@ class EngineActor:
         Returns whether the engine was taken warm from this worker's shelf.
         """
         self._consumer.begin(stream_id, state)
-        if self._switch_interval is not None and self._saved_interval is None:
-            self._saved_interval = sys.getswitchinterval()
-            sys.setswitchinterval(self._switch_interval)
-        if self._heap_for_chunks and self._restore_heap is None:
-            self._restore_heap = heap_for_chunks()
+        if self.settings.heap_for_chunks and self._restore_heap is None:
+            self._restore_heap = memory.heap_for_chunks()
         return self.reused
 
     def feed(self, stream_id: str, graph: ChunkGraph, lookahead: int, threads: int) -> None:
@@ -165,12 +152,10 @@ class EngineActor:
         self._restore_worker_settings()
         self._stop_feeder()
         clean = self._consumer.failure is None and self._consumer.running
-        shelf.park(self._shelf_key, self._consumer, self._keep_seconds if clean else 0.0)
+        keep = self.settings.engine_keep if clean else 0.0
+        shelf.park(self._shelf_key, self._consumer, keep)
 
     def _restore_worker_settings(self) -> None:
-        if self._saved_interval is not None:
-            sys.setswitchinterval(self._saved_interval)
-            self._saved_interval = None
         if self._restore_heap is not None:
             self._restore_heap()
             self._restore_heap = None
@@ -185,7 +170,8 @@ class EngineActor:
             return item
         if not isinstance(item.X, np.ndarray):
             return item  # device arrays need no staging
-        if item.nbytes > self._pin_max_bytes and not (self._pin_mapped and _mapped(item.X)):
+        settings = self.settings
+        if item.nbytes > settings.pin_max_bytes and not (settings.pin_mapped and _mapped(item.X)):
             return item
         try:
             # Never waits for pinned memory: while the pool grows (in the

@@ -59,7 +59,9 @@ class Progress:
 #: the count is fixed. One thread is what Dask workers start with, and a
 #: larger count pinned in a worker that also loads chunks made OpenBLAS's
 #: spinning threads slow the NumPy engine down up to 15x on a 2-core machine.
-#: The GPU engine uses no host BLAS; the setting costs it nothing.
+#: The GPU engine uses no host BLAS; the setting costs it nothing. Not a
+#: ``dask.config`` setting: a stream's results must not depend on where or
+#: how it ran, and another count would make them.
 STREAM_BLAS_THREADS = 1
 
 

@@ -40,6 +40,7 @@ from distributed import Future, wait
 
 from ..config import HuberConfig
 from ..exceptions import ActorLostError, SchedulerLostError, StreamError, ValidationError
+from ..settings import Settings
 from ..state import HuberState
 from .actor import EngineActor, deliver_chunk, load_and_deliver
 from .chunks import AlignedStream, ChunkGraph
@@ -50,46 +51,25 @@ from .loading import assemble_chunk
 from .placement import WorkerInfo, choose_worker, cluster_workers, scheduler_workers
 from .progress import StreamProgress
 
-#: How long one progress poll may wait on the worker before answering anyway.
-POLL_SECONDS = 0.25
-#: Extra time a poll's answer may take before the actor's worker is checked.
-REPLY_GRACE_SECONDS = 5.0
-#: Seconds between liveness checks while waiting for the actor to start.
-START_CHECK_SECONDS = 1.0
+#: Extra time a poll's answer may take, beyond the poll interval, before the
+#: actor's worker is checked. Not a setting: it only bounds how long a broken
+#: connection goes unnoticed, and the liveness check that follows is exact.
+_REPLY_GRACE_SECONDS = 5.0
+#: Seconds between liveness checks while waiting for the actor to start. Not a
+#: setting: a check is one scheduler call, and the start-up takes what it takes.
+_START_CHECK_SECONDS = 1.0
 
 LOADERS = ("auto", "actor", "engine-worker", "cluster")
 
-#: Thread switch interval (seconds) on the engine's worker while a stream runs
-#: (see ``EngineActor``); ``None`` leaves the interpreter's 5 ms default. On the
-#: H200 benchmark 1 ms and 0.2 ms changed the wall by -6 % to +13 %, within
-#: run-to-run noise, so the default leaves the worker alone.
-ENGINE_SWITCH_INTERVAL: float | None = None
-#: Whether the engine's worker keeps chunk-sized allocations on malloc's heap
-#: while a stream runs (see :mod:`.memory`).
-HEAP_FOR_CHUNKS = True
-#: Loading threads of ``loader="actor"`` (``None``: half the worker's threads,
-#: at least 2). Loading threads share the interpreter lock with the engine's
-#: thread: on the H200 (12-thread worker, 65,536-row chunks) 6 threads fitted
-#: in 0.79 s where 12 took 0.98 s; once the engine's thread kept the lock
-#: through its queueing CUDA calls, 12 and 6 were within noise (0.53 / 0.52 s).
-FEEDER_THREADS: int | None = None
-#: Chunks up to this size are copied into the engine's pinned pool (if it has
-#: one) on the loading threads; larger ones reach the engine as they are and
-#: it stages them itself (0: never pin). Measured on the H200 (20M × 90
-#: float32, median of 3): 65,536-row chunks (23.6 MB) fitted in 0.79 s pinned
-#: against 1.04 s not, as the engine's thread then only queues a DMA;
-#: 262,144-row chunks (94 MB) in 1.13 s pinned against 0.88 s not, as the
-#: extra copy halves what the loading threads deliver. Two sizes only: the
-#: threshold sits between them.
-PIN_MAX_BYTES = 48 << 20
-#: Whether chunks that are views of a memory-mapped file (``np.load(...,
-#: mmap_mode="r")``, ``dask.array.from_npy_stack``) are pinned whatever their
-#: size: copying them into pinned memory is their read, not an extra copy.
-PIN_MAPPED = True
-#: Seconds an engine stays parked on its worker after a clean stream, for the
-#: next fit with the same engine, configuration and device (see :mod:`.shelf`;
-#: 0: every stream starts a fresh engine).
-ENGINE_KEEP_SECONDS = 60.0
+
+def feeder_threads(nthreads: int) -> int:
+    """Loading threads of ``loader="actor"`` on a worker of ``nthreads`` threads.
+
+    Half the worker's threads, at least 2: the loading threads share the
+    interpreter lock with the engine's thread (on the H200, 12 and 6 threads
+    on a 12-thread worker fitted within noise of each other).
+    """
+    return max(2, nthreads // 2)
 
 
 @dataclass
@@ -223,6 +203,15 @@ class ClusterWalk:
     blas_threads : int or None
         BLAS threads for engine calls on the worker.
     progress : StreamProgress
+    settings : Settings, optional
+        The ``rh-dask`` settings of this walk (default: read from
+        :mod:`dask.config` here, on the client, when the walk is built); the
+        actor receives them as an argument, so they hold on the worker too.
+
+    Raises
+    ------
+    SettingError
+        When a setting read from :mod:`dask.config` holds a value it cannot take.
     """
 
     def __init__(
@@ -239,7 +228,9 @@ class ClusterWalk:
         worker: str | None,
         blas_threads: int | None,
         progress: StreamProgress,
+        settings: Settings | None = None,
     ) -> None:
+        self.settings = Settings.from_config() if settings is None else settings
         self.client = client
         self.stream = stream
         self.config = config
@@ -267,11 +258,7 @@ class ClusterWalk:
             self.config,
             self.device,
             self.blas_threads,
-            ENGINE_SWITCH_INTERVAL,
-            HEAP_FOR_CHUNKS,
-            PIN_MAX_BYTES,
-            PIN_MAPPED,
-            ENGINE_KEEP_SECONDS,
+            self.settings,
             actor=True,
             workers=[host.address],
             allow_other_workers=False,
@@ -281,7 +268,7 @@ class ClusterWalk:
         # keep checking that the worker is still there rather than wait blindly.
         while True:
             try:
-                wait([self._actor_future], timeout=START_CHECK_SECONDS)
+                wait([self._actor_future], timeout=_START_CHECK_SECONDS)
                 break
             except TimeoutError:
                 self._check_scheduler()
@@ -386,9 +373,10 @@ class ClusterWalk:
     def _poll(self, consumed: int, n_records: int, min_new: int, address: str) -> Progress:
         while True:
             self._check_scheduler()
-            call = self._actor.progress(consumed, n_records, min_new, POLL_SECONDS)
+            poll = self.settings.poll_interval
+            call = self._actor.progress(consumed, n_records, min_new, poll)
             try:
-                return call.result(timeout=POLL_SECONDS + REPLY_GRACE_SECONDS)
+                return call.result(timeout=poll + _REPLY_GRACE_SECONDS)
             except Exception as exc:  # timeout, closed comm, "worker holding Actor was lost"
                 # A broken call may be the scheduler's loss seen first by the
                 # worker (which then closes): give the client a second to see it.
@@ -429,7 +417,7 @@ class ClusterWalk:
             reused = self._actor.begin(stream_id, self.initial_state).result()
             self.outcome.placement["engine_reused"] = bool(reused)
             if mode == "actor":
-                threads = FEEDER_THREADS or max(2, host.nthreads // 2)
+                threads = feeder_threads(host.nthreads)
                 self._actor.feed(stream_id, graph, self.lookahead, threads).result()
             elif graph is None or mode == "engine-worker":
                 graph = self._make_graph(mode, stream_id)
@@ -457,7 +445,7 @@ class ClusterWalk:
         n = graph.n_chunks
         consumed = submitted = 0
         # Polls gate the next submissions; with loader="actor" the actor loads
-        # on its own and a poll only reports progress (one per POLL_SECONDS).
+        # on its own and a poll only reports progress (one per poll interval).
         step = n if mode == "actor" else max(1, self.lookahead // 4)
         records = self.outcome.records
         while consumed < n:
@@ -496,10 +484,10 @@ class ClusterWalk:
                 # the state, so their records must come back with it.
                 self.outcome.state, final = self._actor.end(
                     stream_id, len(self.outcome.records)
-                ).result(timeout=REPLY_GRACE_SECONDS * 12)
+                ).result(timeout=_REPLY_GRACE_SECONDS * 12)
                 self.outcome.records.extend(final.records)
                 self.outcome.n_empty = final.n_empty
-                self._actor.close().result(timeout=REPLY_GRACE_SECONDS * 12)
+                self._actor.close().result(timeout=_REPLY_GRACE_SECONDS * 12)
             except Exception as exc:  # the worker (or the scheduler) died while we were finishing
                 self.outcome.state = None
                 if _scheduler_lost(self.client, 1.0):

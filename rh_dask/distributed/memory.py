@@ -8,7 +8,9 @@ the worker's threads (the engine's too) to flush its TLB. On the H200 host a
 plain loading pipeline ran 2x slower under that setting (0.51 s → 1.0 s for
 306 chunks of 65,536 × 90 float32).
 
-While a stream runs, :func:`heap_for_chunks` stops malloc from using ``mmap``
+When the setting ``rh-dask.distributed.heap-for-chunks`` asks for it (it is
+off by default: the change is the whole worker process's), the engine's actor
+calls :func:`heap_for_chunks` while a stream runs. It stops malloc from using ``mmap``
 (``M_MMAP_MAX=0``: glibc caps the mmap threshold at 32 MiB, below a chunk of
 262,144 × 90 float32) and raises the trim threshold, so that freed chunks stay
 in the heap and are reused. Afterwards it restores the process's settings and

@@ -3,9 +3,10 @@
 Starting an engine is not free: the GPU engine creates its CUDA stream and
 library handles, captures CUDA graphs for each batch shape and allocates its
 pinned buffers as chunks arrive. A fit or ``partial_fit`` on the cluster
-starts a fresh engine actor, so every call paid that again. When an actor's
-stream ends cleanly, it now parks its engine (with the engine's thread) here
-for :data:`~rh_dask.distributed.coordinator.ENGINE_KEEP_SECONDS`; the next
+starts a fresh engine actor, which would pay that every time. When an
+actor's stream ends cleanly, it parks its engine (with the engine's thread)
+here for the setting ``rh-dask.distributed.engine-keep`` (60 s; the actor
+gets it from the client with its :class:`~rh_dask.settings.Settings`); the next
 actor on that worker process with the same engine, configuration and device
 takes it instead of building one. A parked engine keeps its memory (device
 workspace, pinned host buffers) until it is taken, its time runs out, or

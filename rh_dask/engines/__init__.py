@@ -8,12 +8,17 @@ engine for now (a measured dispatch policy belongs with the GPU benchmarks).
 
 from __future__ import annotations
 
-from typing import Any
+import inspect
+from functools import cache
+from typing import TYPE_CHECKING, Any
 
 from ..config import HuberConfig
 from ..exceptions import EngineUnavailableError, ValidationError
 from .base import Engine
 from .numpy_engine import NumpyEngine
+
+if TYPE_CHECKING:  # pragma: no cover
+    from ..settings import Settings
 
 __all__ = ["ENGINE_NAMES", "Engine", "NumpyEngine", "make_engine", "resolve_engine_name"]
 
@@ -32,7 +37,9 @@ def resolve_engine_name(engine: str, device: Any = None) -> str:
     return "numpy"
 
 
-def make_engine(engine: str, config: HuberConfig, device: Any = None) -> Engine:
+def make_engine(
+    engine: str, config: HuberConfig, device: Any = None, *, settings: Settings | None = None
+) -> Engine:
     """Create an engine by name.
 
     Parameters
@@ -41,11 +48,18 @@ def make_engine(engine: str, config: HuberConfig, device: Any = None) -> Engine:
     config : HuberConfig
     device : None, "cpu", "cuda", "cuda:N" or int
         Where the engine should live (``None``: its default).
+    settings : Settings, optional
+        Decide the GPU engine's options (``rh-dask.gpu.*``); default: read
+        from :mod:`dask.config` in this process when a GPU engine is made.
+        The engines themselves take plain arguments and never read it.
 
     Raises
     ------
     EngineUnavailableError
         When the requested engine or device cannot be used here.
+    SettingError
+        When a GPU engine is asked for and a setting read from
+        :mod:`dask.config` holds a value it cannot take.
     """
     name = resolve_engine_name(engine, device)
     if name == "numpy":
@@ -57,4 +71,16 @@ def make_engine(engine: str, config: HuberConfig, device: Any = None) -> Engine:
             f"engine='gpu' needs CuPy and a CUDA GPU: {exc}. Install rh-dask[gpu] "
             "on a machine with an NVIDIA GPU, or choose engine='numpy'."
         ) from exc
-    return GpuEngine(config, device=device)
+    if settings is None:
+        from ..settings import Settings
+
+        settings = Settings.from_config()
+    accepted = _keywords(GpuEngine)
+    options = {k: v for k, v in settings.engine_options("gpu").items() if k in accepted}
+    return GpuEngine(config, device=device, **options)
+
+
+@cache
+def _keywords(factory: Any) -> frozenset[str]:
+    """The keyword parameters ``factory`` accepts (an engine class of this install)."""
+    return frozenset(inspect.signature(factory).parameters)

@@ -1,0 +1,165 @@
+"""The ``rh-dask`` settings: packaged defaults, dask.config, env vars, checks."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import subprocess
+import sys
+import types
+from pathlib import Path
+
+import dask.config
+import pytest
+import yaml
+
+import rh_dask
+from rh_dask import HuberConfig, ValidationError
+from rh_dask.engines import make_engine
+from rh_dask.settings import SettingError, Settings, defaults, env_name, setting_keys
+
+KEYS = setting_keys()
+
+
+def _lookup(tree: dict, key: str):
+    for part in key.split("."):
+        tree = tree[part]
+    return tree
+
+
+def test_every_field_has_one_packaged_default_and_no_key_is_unlisted():
+    assert set(KEYS) == {f.name for f in dataclasses.fields(Settings)}
+    packaged = yaml.safe_load(
+        Path(rh_dask.settings.__file__).with_name("rh-dask.yaml").read_text()
+    )
+    assert packaged == defaults()
+
+    def leaves(tree, prefix):
+        for name, value in tree.items():
+            if isinstance(value, dict):
+                yield from leaves(value, f"{prefix}{name}.")
+            else:
+                yield f"{prefix}{name}"
+
+    assert set(leaves(packaged, "")) == set(KEYS.values())
+    for key in KEYS.values():
+        assert dask.config.get(key) == _lookup(packaged, key)  # merged on import
+
+
+def test_the_dataclass_defaults_are_the_packaged_ones():
+    assert Settings.from_config() == Settings()
+    assert Settings().pin_max_bytes == 48 * 2**20 and Settings().poll_interval == 0.25
+    assert Settings().heap_for_chunks is False  # a process-wide change: only when asked
+
+
+def test_values_are_read_from_dask_config_and_text_is_parsed():
+    with dask.config.set(
+        {
+            "rh-dask.distributed.poll-interval": "50ms",
+            "rh-dask.distributed.pin-max-bytes": "1 MiB",
+            "rh-dask.distributed.pin-mapped": "false",
+            "rh-dask.distributed.engine-keep": 0,
+            "rh-dask.distributed.heap-for-chunks": "yes",
+            "rh-dask.gpu.graphs": False,
+            "rh-dask.gpu.hold-gil": "0",
+            "rh-dask.cli.in-process-max-rows": "1_000",
+        }
+    ):
+        settings = Settings.from_config()
+    assert settings == Settings(
+        in_process_max_rows=1_000,
+        poll_interval=0.05,
+        pin_max_bytes=2**20,
+        pin_mapped=False,
+        engine_keep=0.0,
+        heap_for_chunks=True,
+        gpu_graphs=False,
+        gpu_hold_gil=False,
+    )
+    assert settings.engine_options("gpu") == {"graphs": False, "hold_gil": False}
+    assert settings.engine_options("numpy") == {}
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        settings.pin_mapped = True  # type: ignore[misc]
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "expected"),
+    [
+        ("poll_interval", 0, "a duration > 0"),
+        ("poll_interval", "soon", "a duration > 0"),
+        ("poll_interval", float("nan"), "a duration > 0"),
+        ("engine_keep", -1, "a duration >= 0"),
+        ("engine_keep", True, "a duration >= 0"),
+        ("pin_max_bytes", -5, "a size >= 0"),
+        ("pin_max_bytes", "lots", "a size >= 0"),
+        ("pin_max_bytes", 1.5, "a size >= 0"),
+        ("pin_mapped", "maybe", "true or false"),
+        ("heap_for_chunks", 2, "true or false"),
+        ("gpu_graphs", None, "true or false"),
+        ("gpu_hold_gil", "", "true or false"),
+        ("in_process_max_rows", -1, "a whole number >= 0"),
+    ],
+)
+def test_a_malformed_value_is_refused_naming_its_key(field, value, expected):
+    key = KEYS[field]
+    with dask.config.set({key: value}), pytest.raises(SettingError) as err:
+        Settings.from_config()
+    message = str(err.value)
+    assert message.startswith(f"setting {key} ({env_name(key)}) must be {expected}")
+    assert message.endswith(f"got {value!r}")
+    assert isinstance(err.value, ValidationError) and isinstance(err.value, ValueError)
+
+
+def test_env_names_follow_dasks_convention():
+    assert env_name("rh-dask.distributed.pin-max-bytes") == (
+        "DASK_RH_DASK__DISTRIBUTED__PIN_MAX_BYTES"
+    )
+    assert env_name("rh-dask.gpu.hold-gil") == "DASK_RH_DASK__GPU__HOLD_GIL"
+
+
+def test_environment_variables_set_the_settings_on_import():
+    program = (
+        "from rh_dask.settings import Settings; s = Settings.from_config(); "
+        "print(s.pin_max_bytes, s.engine_keep, s.gpu_graphs, s.heap_for_chunks)"
+    )
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DASK_")}
+    env |= {
+        "DASK_RH_DASK__DISTRIBUTED__PIN_MAX_BYTES": "0",
+        "DASK_RH_DASK__DISTRIBUTED__ENGINE_KEEP": "5s",
+        "DASK_RH_DASK__GPU__GRAPHS": "False",
+        "DASK_RH_DASK__DISTRIBUTED__HEAP_FOR_CHUNKS": "true",
+    }
+    run = subprocess.run(
+        [sys.executable, "-c", program], capture_output=True, text=True, env=env, timeout=120
+    )
+    assert run.stdout.split() == ["0", "5.0", "False", "True"], run.stderr
+
+
+class _OldGpuEngine:
+    """Stands in for a GPU engine whose constructor knows ``graphs`` only."""
+
+    def __init__(self, config, device=None, *, graphs=None):
+        self.config, self.device, self.graphs = config, device, graphs
+
+
+class _NewGpuEngine:
+    def __init__(self, config, device=None, *, graphs=True, hold_gil=True):
+        self.config, self.device, self.graphs, self.hold_gil = config, device, graphs, hold_gil
+
+
+@pytest.mark.parametrize("engine_class", [_OldGpuEngine, _NewGpuEngine])
+def test_make_engine_passes_the_gpu_settings_the_constructor_takes(monkeypatch, engine_class):
+    fake = types.ModuleType("gpu_engine")
+    fake.GpuEngine = engine_class
+    monkeypatch.setitem(sys.modules, "gpu_engine", fake)
+    explicit = Settings(gpu_graphs=False, gpu_hold_gil=False)
+    engine = make_engine("gpu", HuberConfig(), "cuda:0", settings=explicit)
+    assert isinstance(engine, engine_class) and engine.device == "cuda:0"
+    assert engine.graphs is False
+    assert getattr(engine, "hold_gil", False) is False
+    with dask.config.set({"rh-dask.gpu.graphs": False}):  # read here when not given
+        assert make_engine("gpu", HuberConfig()).graphs is False
+    with dask.config.set({"rh-dask.gpu.graphs": "often"}), pytest.raises(SettingError):
+        make_engine("gpu", HuberConfig())
+    with dask.config.set({"rh-dask.gpu.graphs": "often"}):
+        assert make_engine("numpy", HuberConfig()).name == "numpy"  # not read for NumPy
