@@ -8,7 +8,9 @@ equal states prove the readers cut the stream where they say they do.
 
 from __future__ import annotations
 
+import argparse
 import importlib.util
+import inspect
 import json
 import os
 import queue
@@ -39,7 +41,14 @@ from rh_dask.app.cli import (
     build_parser,
     main,
 )
-from rh_dask.app.io import InputError, detect_format, input_files, open_table, write_predictions
+from rh_dask.app.io import (
+    INPUT_FORMATS,
+    InputError,
+    detect_format,
+    input_files,
+    open_table,
+    write_predictions,
+)
 from rh_dask.app.jobs import fit_table
 from rh_dask.app.sizing import input_rows
 from rh_dask.checkpoint import load_checkpoint
@@ -827,3 +836,33 @@ def test_relative_links_of_the_docs_resolve():
             if "://" not in target and not (page.parent / target).exists():
                 broken.append(f"{page.relative_to(root)} -> {target}")
     assert not broken, broken
+
+
+def test_the_cli_choices_and_defaults_are_the_librarys():
+    from rh_dask.app.cli import build_parser
+    from rh_dask.app.cluster import open_cluster
+    from rh_dask.config import DTYPES, PENALTIES
+    from rh_dask.distributed.coordinator import LOADERS
+    from rh_dask.engines import ENGINE_NAMES
+
+    parser = build_parser()
+    (commands,) = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    estimator = RenewableHuberRegressor().get_params()
+    choices = {"engine": ENGINE_NAMES, "dtype": DTYPES, "penalty": PENALTIES, "loader": LOADERS}
+    for name in ("demo", "fit"):
+        actions = {a.dest: a for a in commands.choices[name]._actions}
+        for dest, expected in choices.items():
+            assert tuple(actions[dest].choices) == tuple(expected), (name, dest)
+        for dest in (*choices, "tau", "lambda_scale", "bandwidth_scale", "max_iter", "tol",
+                     "ridge", "lookahead", "device", "worker"):  # fmt: skip
+            assert actions[dest].default == estimator[dest], (name, dest)
+        # --no-intercept turns off an intercept the estimator fits by default.
+        assert estimator["fit_intercept"] is True and actions["no_intercept"].default is False
+        timeout = inspect.signature(open_cluster).parameters["timeout"].default
+        assert actions["connect_timeout"].default == timeout
+    demo = {a.dest: a.default for a in commands.choices["demo"]._actions}
+    assert (demo["features"], demo["seed"]) == (StreamSpec().n_features, StreamSpec().seed)
+    predict = {a.dest: a for a in commands.choices["predict"]._actions}
+    column = inspect.signature(write_predictions).parameters["column"].default
+    assert predict["column"].default == column
+    assert tuple(predict["format"].choices) == INPUT_FORMATS

@@ -13,9 +13,11 @@ import pytest
 from rh_dask import RenewableHuberRegressor
 from rh_dask.app.extras import MissingExtraError
 from rh_dask.app.io import Table
-from rh_dask.app.jobs import fit_table, resolve_engine
+from rh_dask.app.jobs import fit_table
 from rh_dask.app.report import REPORT_FILES, _jsonable, build_report, write_report
 from rh_dask.datasets import StreamSpec
+from rh_dask.engines import resolve_engine_name
+from rh_dask.exceptions import EngineUnavailableError, ValidationError
 
 PNG = b"\x89PNG\r\n\x1a\n"
 
@@ -98,10 +100,49 @@ def test_an_engine_that_cannot_start_falls_back_when_asked():
 
 
 def test_auto_engine_follows_the_cluster():
-    assert resolve_engine("auto", gpu_workers=True, has_client=True) == "gpu"
-    assert resolve_engine("auto", gpu_workers=False, has_client=True) == "numpy"
-    assert resolve_engine("auto", gpu_workers=False, has_client=False) == "auto"
-    assert resolve_engine("numpy", gpu_workers=True, has_client=True) == "numpy"
+    assert resolve_engine_name("auto", gpu_workers=True) == "gpu"
+    assert resolve_engine_name("auto", gpu_workers=False) == "numpy"
+    assert resolve_engine_name("numpy", gpu_workers=True) == "numpy"
+    assert resolve_engine_name("gpu", gpu_workers=False) == "gpu"
+    # Told about the cluster, the rule follows its workers, whatever device is named.
+    assert resolve_engine_name("auto", "cuda:0", gpu_workers=False) == "numpy"
+    assert resolve_engine_name("auto", "cpu", gpu_workers=True) == "gpu"
+
+
+def test_auto_engine_without_a_cluster_follows_the_device():
+    assert resolve_engine_name("auto") == "numpy"
+    assert resolve_engine_name("auto", "cpu") == "numpy"
+    assert resolve_engine_name("auto", "cuda") == "gpu"
+    assert resolve_engine_name("auto", "cuda:1") == "gpu"
+    # The estimator applies the same rule: auto, no device, no client fits on NumPy.
+    assert fit_table(_model(), _table(n_chunks=2)).engine == resolve_engine_name("auto")
+
+
+def test_an_unknown_engine_is_refused_by_the_rule():
+    with pytest.raises(ValidationError, match="engine must be one of"):
+        resolve_engine_name("cuda")
+    with pytest.raises(ValidationError, match="engine must be one of"):
+        resolve_engine_name("Auto", gpu_workers=True)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("cupy") is not None, reason="CuPy present")
+def test_a_fitted_model_falls_back_too_when_the_engine_cannot_start():
+    model = _model().fit(*_table(n_chunks=2).fit_inputs())
+    model.set_params(engine="gpu")
+    outcome = fit_table(model, _table(), fallback_engine="numpy")
+    assert outcome.engine == "numpy" and "unavailable" in outcome.notes[0]
+    assert len(outcome.history) == 6
+    assert outcome.model.state_.equals(_model().fit(*_table().fit_inputs()).state_)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("cupy") is not None, reason="CuPy present")
+def test_without_a_fallback_a_fitted_model_keeps_its_stream():
+    model = _model().fit(*_table(n_chunks=2).fit_inputs())
+    before = model.state_
+    model.set_params(engine="gpu")
+    with pytest.raises(EngineUnavailableError):
+        fit_table(model, _table())
+    assert model.state_.equals(before) and len(model.history_) == 2
 
 
 def test_json_values_are_plain_and_non_finite_become_null():

@@ -22,6 +22,7 @@ Exit codes (also in ``rh-dask --help``):
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import os
 import sys
@@ -102,7 +103,15 @@ def _positive_float(text: str) -> float:
 DEFAULT_DASHBOARD = "127.0.0.1:8787"
 
 
+def _keyword_default(function: Any, name: str) -> Any:
+    """The default of ``function``'s parameter ``name``: one value, kept in one place."""
+    return inspect.signature(function).parameters[name].default
+
+
 def _add_cluster_options(parser: argparse.ArgumentParser, *, default: str) -> None:
+    from .cluster import open_cluster
+
+    timeout = _keyword_default(open_cluster, "timeout")
     group = parser.add_argument_group("cluster")
     group.add_argument(
         "--scheduler",
@@ -120,9 +129,9 @@ def _add_cluster_options(parser: argparse.ArgumentParser, *, default: str) -> No
     group.add_argument(
         "--connect-timeout",
         type=_positive_float,
-        default=10.0,
+        default=timeout,
         metavar="SECONDS",
-        help="how long to wait for the scheduler and for its first worker (default: 10)",
+        help=f"how long to wait for the scheduler and for its first worker (default: {timeout:g})",
     )
     group.add_argument(
         "--workers", type=_positive_int, metavar="N", help="worker processes of a local cluster"
@@ -142,37 +151,44 @@ def _add_cluster_options(parser: argparse.ArgumentParser, *, default: str) -> No
     )
 
 
-def _estimator_default(name: str) -> Any:
-    """The estimator's own default of parameter ``name``, so that the two never drift apart."""
+def _estimator_defaults() -> dict[str, Any]:
+    """The estimator's own parameter defaults, so that the two never drift apart."""
     from ..estimator import RenewableHuberRegressor
 
-    return RenewableHuberRegressor().get_params()[name]
+    return RenewableHuberRegressor().get_params()
 
 
 def _add_model_options(parser: argparse.ArgumentParser) -> None:
+    # Choices and defaults come from the library: its constants and the estimator's defaults.
+    from ..config import DTYPES, PENALTIES
+    from ..distributed.coordinator import LOADERS
+    from ..engines import ENGINE_NAMES
+
+    default = _estimator_defaults()
     group = parser.add_argument_group("model")
-    group.add_argument("--engine", choices=["auto", "numpy", "gpu"], default="auto")
+    group.add_argument("--engine", choices=ENGINE_NAMES, default=default["engine"])
     group.add_argument("--device", help="engine device, e.g. cuda:0 (default: the engine's)")
-    group.add_argument("--dtype", choices=["float64", "float32"], default="float64")
-    group.add_argument("--penalty", choices=["none", "l1"], default="none")
-    group.add_argument("--tau", type=float, default=1.345, help="Huber τ (default: 1.345)")
-    group.add_argument("--lambda-scale", type=float, default=1.0)
-    group.add_argument("--bandwidth-scale", type=float, default=1.0)
+    group.add_argument("--dtype", choices=DTYPES, default=default["dtype"])
+    group.add_argument("--penalty", choices=PENALTIES, default=default["penalty"])
+    group.add_argument(
+        "--tau", type=float, default=default["tau"], help=f"Huber τ (default: {default['tau']})"
+    )
+    group.add_argument("--lambda-scale", type=float, default=default["lambda_scale"])
+    group.add_argument("--bandwidth-scale", type=float, default=default["bandwidth_scale"])
     group.add_argument("--no-intercept", action="store_true", help="fit without an intercept")
-    group.add_argument("--max-iter", type=int, default=100)
-    group.add_argument("--tol", type=float, default=1e-6)
-    group.add_argument("--ridge", type=float, default=1e-8)
-    lookahead = _estimator_default("lookahead")
+    group.add_argument("--max-iter", type=int, default=default["max_iter"])
+    group.add_argument("--tol", type=float, default=default["tol"])
+    group.add_argument("--ridge", type=float, default=default["ridge"])
     group.add_argument(
         "--lookahead",
         type=_positive_int,
-        default=lookahead,
-        help=f"chunks loading ahead (default: {lookahead})",
+        default=default["lookahead"],
+        help=f"chunks loading ahead (default: {default['lookahead']})",
     )
     group.add_argument(
         "--loader",
-        choices=["auto", "actor", "engine-worker", "cluster"],
-        default="auto",
+        choices=LOADERS,
+        default=default["loader"],
         help="where chunks load (see docs/distributed.md)",
     )
     group.add_argument("--worker", metavar="ADDRESS", help="worker that hosts the engine actor")
@@ -181,6 +197,9 @@ def _add_model_options(parser: argparse.ArgumentParser) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     """The ``rh-dask`` argument parser."""
+    from ..datasets import StreamSpec
+    from .io import write_predictions
+
     parser = argparse.ArgumentParser(
         prog="rh-dask",
         description="Renewable Huber regression on data too large for one machine.",
@@ -203,8 +222,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     demo.add_argument("--rows", type=_positive_int, default=1_048_576)
     demo.add_argument("--chunk-rows", type=_positive_int, default=65_536)
-    demo.add_argument("--features", type=_positive_int, default=20)
-    demo.add_argument("--seed", type=int, default=0)
+    spec = StreamSpec()
+    demo.add_argument("--features", type=_positive_int, default=spec.n_features)
+    demo.add_argument("--seed", type=int, default=spec.seed)
     demo.add_argument(
         "--output-dir",
         type=Path,
@@ -256,7 +276,11 @@ def build_parser() -> argparse.ArgumentParser:
     _add_input_options(predict, target_required=False)
     _add_exclude_option(predict, "(e.g. the target)")
     predict.add_argument("--output", required=True, type=Path, metavar="PATH")
-    predict.add_argument("--column", default="prediction", help="output column name")
+    predict.add_argument(
+        "--column",
+        default=_keyword_default(write_predictions, "column"),
+        help="output column name (default: %(default)s)",
+    )
     predict.add_argument("--overwrite", action="store_true", help="replace an existing output")
     _add_cluster_options(predict, default="auto")
     predict.set_defaults(handler=_cmd_predict)
@@ -286,11 +310,13 @@ def _add_exclude_option(parser: argparse.ArgumentParser, example: str) -> None:
 
 
 def _add_input_options(parser: argparse.ArgumentParser, *, target_required: bool) -> None:
+    from .io import INPUT_FORMATS
+
     group = parser.add_argument_group("input")
     group.add_argument(
         "--input", required=True, metavar="PATH_OR_GLOB", help="file, directory or quoted glob"
     )
-    group.add_argument("--format", choices=["parquet", "csv", "zarr", "npy"])
+    group.add_argument("--format", choices=INPUT_FORMATS)
     if target_required:
         group.add_argument(
             "--target",
@@ -434,11 +460,18 @@ def _fit_and_save(
     output: Path,
 ) -> tuple[Any, Path]:
     """Fit ``table`` on ``session`` and save the model; returns the outcome and its path."""
-    from .jobs import fit_table, resolve_engine
+    from ..engines import resolve_engine_name
+    from .jobs import fit_table
 
-    gpu_workers = session.client is not None and session.has_gpu_workers()
-    engine = resolve_engine(args.engine, gpu_workers, session.client is not None)
-    fallback = "numpy" if args.engine == "auto" and engine == "gpu" else None
+    # --engine auto on a cluster follows its workers: the library's rule, told what they have.
+    # In this process the estimator applies the same rule itself and keeps the request.
+    engine = args.engine
+    fallback = None
+    if session.client is not None:
+        gpu_workers = session.has_gpu_workers()
+        engine = resolve_engine_name(args.engine, args.device, gpu_workers=gpu_workers)
+        # A GPU chosen for the cluster's GPU workers backs off to NumPy when it cannot start.
+        fallback = "numpy" if args.engine == "auto" and engine == "gpu" else None
     model = _estimator(args, engine)
     outcome = fit_table(model, table, fallback_engine=fallback)
     saved = model.save(output)

@@ -23,9 +23,10 @@ import pandas as pd
 from ..distributed.chunks import stable_partitions
 from ..estimator import RenewableHuberRegressor
 from ..exceptions import EngineUnavailableError
+from ..state import HuberState
 from .io import Table
 
-__all__ = ["FitOutcome", "Trajectory", "fit_table", "resolve_engine"]
+__all__ = ["FitOutcome", "Trajectory", "fit_table"]
 
 
 @dataclass
@@ -92,20 +93,6 @@ class FitOutcome:
     notes: list[str] = field(default_factory=list)
 
 
-def resolve_engine(requested: str, gpu_workers: bool, has_client: bool) -> str:
-    """The engine to ask the estimator for.
-
-    ``auto`` picks the GPU engine on a cluster whose workers advertise a GPU,
-    the NumPy engine on any other cluster, and leaves the choice to the
-    estimator without a cluster.
-    """
-    if requested != "auto":
-        return requested
-    if has_client:
-        return "gpu" if gpu_workers else "numpy"
-    return "auto"
-
-
 def fit_table(
     model: RenewableHuberRegressor,
     table: Table,
@@ -120,21 +107,24 @@ def fit_table(
         Reset first: the fit starts a new stream.
     table : Table
     fallback_engine : str, optional
-        When the requested engine cannot start before any chunk was
-        consumed, refit with this engine (how ``--engine auto`` backs off
-        from a GPU it cannot use) and say so in ``notes``.
+        When the requested engine cannot start before any chunk of this
+        fit was consumed, refit with this engine (how ``--engine auto``
+        backs off from a GPU it cannot use) and say so in ``notes``. A model
+        fitted before keeps its old stream when the engine cannot start, so
+        "nothing consumed" means the model's state is the one it had before.
 
     Returns
     -------
     FitOutcome
     """
     notes: list[str] = []
+    before = _stream_state(model)
     start = time.perf_counter()
     with stable_partitions():
         try:
             model.fit(*table.fit_inputs())
         except EngineUnavailableError as exc:
-            if fallback_engine is None or hasattr(model, "n_features_in_"):
+            if fallback_engine is None or _consumed_since(model, before):
                 raise
             notes.append(f"engine {model.engine!r} unavailable ({exc}); used {fallback_engine!r}")
             model.set_params(engine=fallback_engine)
@@ -150,3 +140,16 @@ def fit_table(
         placement=model.placement_,
         notes=notes,
     )
+
+
+def _stream_state(model: RenewableHuberRegressor) -> HuberState | None:
+    """The state of the model's stream, ``None`` for a model not fitted."""
+    return model.state_ if model.__sklearn_is_fitted__() else None
+
+
+def _consumed_since(model: RenewableHuberRegressor, before: HuberState | None) -> bool:
+    """Whether the model consumed a batch since its stream state was ``before``."""
+    after = _stream_state(model)
+    if after is None:
+        return False
+    return before is None or not after.equals(before)

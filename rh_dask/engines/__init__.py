@@ -2,8 +2,9 @@
 
 ``engine="numpy"`` and ``engine="gpu"`` are explicit requests: if the engine
 cannot start, :class:`~rh_dask.exceptions.EngineUnavailableError` says why,
-and nothing is silently substituted. ``engine="auto"`` resolves to the NumPy
-engine for now (a measured dispatch policy belongs with the GPU benchmarks).
+and nothing is silently substituted. ``engine="auto"`` is resolved by one
+rule, :func:`resolve_engine_name`, for the estimator and the command line
+alike.
 """
 
 from __future__ import annotations
@@ -25,13 +26,43 @@ __all__ = ["ENGINE_NAMES", "Engine", "NumpyEngine", "make_engine", "resolve_engi
 ENGINE_NAMES: tuple[str, ...] = ("auto", "numpy", "gpu")
 
 
-def resolve_engine_name(engine: str, device: Any = None) -> str:
-    """Map ``"auto"`` to a concrete engine name; validate the others."""
+def resolve_engine_name(
+    engine: str, device: Any = None, *, gpu_workers: bool | None = None
+) -> str:
+    """The engine to run: ``"auto"`` mapped to a concrete name, the others validated.
+
+    The rule for ``"auto"``: the GPU engine where the engine is known to have
+    a GPU, else the NumPy engine. Where it is known comes first from the
+    cluster, when the caller has asked it (``gpu_workers``: whether any
+    worker advertises the ``GPU`` resource; the command line asks, on a
+    cluster it runs on), and otherwise from ``device``: a CUDA device
+    (``"cuda"``, ``"cuda:N"``) names the GPU engine.
+
+    Parameters
+    ----------
+    engine : {"auto", "numpy", "gpu"}
+    device : None, "cpu", "cuda", "cuda:N" or int
+        The device the engine is asked to use.
+    gpu_workers : bool, optional
+        Whether the cluster the engine will run on has GPU workers; ``None``
+        (the estimator's own calls): not asked, ``device`` decides.
+
+    Returns
+    -------
+    str
+        ``"numpy"`` or ``"gpu"``.
+
+    Raises
+    ------
+    ValidationError
+        When ``engine`` is not one of :data:`ENGINE_NAMES`.
+    """
     if engine not in ENGINE_NAMES:
         raise ValidationError(f"engine must be one of {ENGINE_NAMES}, got {engine!r}")
     if engine != "auto":
         return engine
-    # A CUDA device named explicitly is a request for the GPU engine.
+    if gpu_workers is not None:
+        return "gpu" if gpu_workers else "numpy"
     if device is not None and str(device).startswith("cuda"):
         return "gpu"
     return "numpy"
