@@ -8,7 +8,8 @@ The public API:
   portable configuration, state and per-batch diagnostics;
 * :func:`make_engine` and the :class:`Engine` protocol, for callers that drive
   an engine directly (benchmarks, actors);
-* the exceptions in :mod:`rh_dask.exceptions`.
+* the exceptions in :mod:`rh_dask.exceptions` and
+  :class:`~rh_dask.settings.SettingError`: every error a user can cause.
 """
 
 from . import settings  # noqa: F401  (merges rh-dask.yaml into dask.config)
@@ -28,6 +29,7 @@ from .exceptions import (
     StreamError,
     ValidationError,
 )
+from .settings import SettingError
 from .state import BatchDiagnostics, HuberState
 
 __all__ = [
@@ -45,6 +47,7 @@ __all__ = [
     "RenewableHuberRegressor",
     "RhDaskError",
     "SchedulerLostError",
+    "SettingError",
     "StreamError",
     "ValidationError",
     "__version__",

@@ -27,8 +27,14 @@ import pytest
 from distributed import Client, LocalCluster, Nanny, Scheduler, SpecCluster
 from threadpoolctl import threadpool_limits
 
-from rh_dask import BadChunkError, RenewableHuberRegressor, StreamError, ValidationError
-from rh_dask.distributed import ActorLostError, release_engines
+from rh_dask import (
+    ActorLostError,
+    BadChunkError,
+    RenewableHuberRegressor,
+    StreamError,
+    ValidationError,
+)
+from rh_dask.distributed import release_engines
 from rh_dask.distributed.consumer import STREAM_BLAS_THREADS
 from rh_dask.exceptions import EngineUnavailableError
 
