@@ -9,8 +9,6 @@ alike.
 
 from __future__ import annotations
 
-import inspect
-from functools import cache
 from typing import TYPE_CHECKING, Any
 
 from ..config import HuberConfig
@@ -106,12 +104,4 @@ def make_engine(
         from ..settings import Settings
 
         settings = Settings.from_config()
-    accepted = _keywords(GpuEngine)
-    options = {k: v for k, v in settings.engine_options("gpu").items() if k in accepted}
-    return GpuEngine(config, device=device, **options)
-
-
-@cache
-def _keywords(factory: Any) -> frozenset[str]:
-    """The keyword parameters ``factory`` accepts (an engine class of this install)."""
-    return frozenset(inspect.signature(factory).parameters)
+    return GpuEngine(config, device=device, **settings.engine_options("gpu"))
