@@ -74,7 +74,8 @@ class RenewableHuberRegressor(RegressorMixin, BaseEstimator):
     engine : {"auto", "numpy", "gpu"}, default="auto"
         Computational engine. An explicit choice that cannot start raises
         :class:`~rh_dask.exceptions.EngineUnavailableError`; ``"auto"``
-        currently picks the NumPy engine unless ``device`` names a GPU.
+        picks the NumPy engine unless ``device`` names a CUDA device (the
+        rule of :func:`rh_dask.engines.resolve_engine_name`).
     device : str or int, default=None
         Device of the engine, e.g. ``"cuda:0"``.
     dtype : {"float64", "float32"}, default="float64"

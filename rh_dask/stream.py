@@ -185,7 +185,10 @@ class Stream:
 
     @property
     def engine(self) -> Engine | None:
-        """The engine holding the stream (``None`` while a restored state waits for one)."""
+        """The engine holding the stream (``None`` while a restored state waits for one).
+
+        For an unstarted stream: the spare engine it may take, if any.
+        """
         return self._engine
 
     @property
