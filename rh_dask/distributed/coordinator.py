@@ -42,9 +42,10 @@ from ..config import HuberConfig
 from ..exceptions import ActorLostError, SchedulerLostError, StreamError, ValidationError
 from ..settings import Settings
 from ..state import HuberState
+from ..stream import BatchRecord
 from .actor import EngineActor, deliver_chunk, load_and_deliver
 from .chunks import AlignedStream, ChunkGraph
-from .consumer import BatchRecord, Progress
+from .consumer import Progress
 from .graphs import Task, TaskRef
 from .items import BadChunk, chunk_error
 from .loading import assemble_chunk
