@@ -27,7 +27,6 @@ import os
 from collections.abc import Callable
 
 _M_TRIM_THRESHOLD = -1
-_M_MMAP_THRESHOLD = -3
 _M_MMAP_MAX = -4
 #: glibc's defaults, used when the environment does not set them.
 _DEFAULT_THRESHOLD = 128 << 10
