@@ -23,7 +23,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import mmap
-import os
 from collections.abc import Callable
 from typing import Any
 
@@ -101,16 +100,6 @@ class EngineActor:
         self._pool = getattr(self._consumer.engine, "pinned_pool", None)
         self._closed = False
         self._feeder: ChunkFeeder | None = None
-
-    def describe(self) -> dict[str, Any]:
-        """Where the engine lives: engine name, device, worker address, pid."""
-        engine = self._consumer.engine
-        return {
-            "engine": engine.name,
-            "device": engine.device,
-            "address": get_worker().address,
-            "pid": os.getpid(),
-        }
 
     def begin(self, stream_id: str, state: HuberState | None) -> bool:
         """Start a stream from ``state`` (``None``: the empty state).
