@@ -38,6 +38,7 @@ from rh_dask.app.cli import (
     EXIT_INTERRUPTED,
     EXIT_MISSING_EXTRA,
     EXIT_USAGE,
+    _exit_code,
     build_parser,
     main,
 )
@@ -53,6 +54,7 @@ from rh_dask.app.jobs import fit_table
 from rh_dask.app.sizing import input_rows
 from rh_dask.checkpoint import load_checkpoint
 from rh_dask.datasets import StreamSpec
+from rh_dask.exceptions import ActorLostError, SchedulerLostError, StreamError
 from rh_dask.settings import IN_PROCESS_MAX_ROWS, in_process_max_rows
 
 FEATURES = ["f0", "f1", "f2"]
@@ -866,3 +868,9 @@ def test_the_cli_choices_and_defaults_are_the_librarys():
     column = inspect.signature(write_predictions).parameters["column"].default
     assert predict["column"].default == column
     assert tuple(predict["format"].choices) == INPUT_FORMATS
+
+
+def test_a_lost_actor_or_scheduler_is_a_cluster_failure_and_other_stream_errors_bad_input():
+    assert _exit_code(ActorLostError("the engine's worker went away")) == EXIT_CLUSTER
+    assert _exit_code(SchedulerLostError("the scheduler went away")) == EXIT_CLUSTER
+    assert _exit_code(StreamError("a chunk of the wrong width")) == EXIT_INPUT

@@ -35,8 +35,10 @@ from typing import Any
 
 from .._version import __version__
 from ..exceptions import (
+    ActorLostError,
     CheckpointError,
     EngineUnavailableError,
+    SchedulerLostError,
     StreamError,
     ValidationError,
 )
@@ -713,21 +715,13 @@ def _exit_code(exc: BaseException) -> int:
         return EXIT_USAGE
     if isinstance(exc, MissingExtraError):
         return EXIT_MISSING_EXTRA
-    if isinstance(exc, ClusterError) or _is_actor_lost(exc):
+    if isinstance(exc, (ClusterError, ActorLostError, SchedulerLostError)):
         return EXIT_CLUSTER
     if isinstance(exc, EngineUnavailableError):
         return EXIT_ENGINE
     if isinstance(exc, (InputError, ValidationError, CheckpointError, StreamError)):
         return EXIT_INPUT
     return EXIT_FAILURE
-
-
-def _is_actor_lost(exc: BaseException) -> bool:
-    try:
-        from ..distributed import ActorLostError
-    except ImportError:  # a broken environment (the error being reported) must not crash here
-        return False
-    return isinstance(exc, ActorLostError)
 
 
 def _one_line(exc: BaseException) -> str:
