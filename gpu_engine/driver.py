@@ -3,10 +3,10 @@
 CuPy releases the GIL around every CUDA call that may block: kernel and graph
 launches, asynchronous copies, stream waits. Each release is cheap on its
 own, but a thread that gave the lock away must queue to get it back, and in a
-Dask worker other threads are always waiting for it. A native profile of the
-distributed fit on an H200 (``benchmarks/native_profile.py``, 65,536-row
-chunks) had 66% of the engine thread's samples waiting for the lock after a
-CUDA call had already returned.
+Dask worker other threads are always waiting for it: with CuPy's bindings two
+thirds of the engine thread's samples in a native profile of the distributed
+fit wait for the lock after a CUDA call has returned (``docs/performance.md``,
+"Where the engine's worker spends its time").
 
 The calls bound here only *queue* work and return within microseconds, so
 :class:`DriverCalls` makes them through the CUDA driver library loaded with

@@ -12,10 +12,6 @@ A report directory holds
 * ``throughput.png``: rows consumed against engine time and against the
   fit's wall-clock time, and the engine's own rows per second per chunk.
 
-Version 2 (this one) records the trajectory per batch, from the estimator's
-``coef_history_``; version 1 had a few snapshots from a fit in segments, with
-wall-clock ``elapsed_seconds`` and a list of ``placements``, one per segment.
-
 The plots need matplotlib (the ``report`` extra); without it
 :func:`write_report` raises :class:`~rh_dask.app.extras.MissingExtraError`
 before writing anything.

@@ -7,10 +7,12 @@ thread on that worker then computes chunk graphs on a few local threads
 consumer's inbox, keeping at most ``lookahead`` chunks ahead of the engine.
 
 Why: each Dask task costs the worker's event loop about a millisecond of
-Python, on the same interpreter lock as the engine's thread. Tasks per chunk
-(submission, completion, release messages) slowed the GPU engine several times
-over on the H200; here a chunk costs no message at all, and the coordinator
-only long-polls the actor for progress.
+Python, on the same interpreter lock as the engine's thread, and a task per
+chunk sends submission, completion and release messages. Here a chunk costs
+no message at all, and the coordinator only long-polls the actor for
+progress: on an H200 the GPU engine's fit is 1.2-2.1x as fast as with one
+task per chunk (``docs/performance.md``, "Design choices, each measured with
+and without in one run").
 
 It needs a graph the worker can compute alone: a collection built from
 files or in-memory data, not one referencing data persisted on the cluster

@@ -4,9 +4,9 @@ A Dask nanny starts its worker with ``MALLOC_TRIM_THRESHOLD_`` set (64 KiB by
 default), which also freezes glibc's mmap threshold at 128 KiB. Every chunk a
 loading thread allocates is then a fresh ``mmap``: the kernel zeroes it page
 by page on first touch, and ``munmap`` interrupts every core running one of
-the worker's threads (the engine's too) to flush its TLB. On the H200 host a
-plain loading pipeline ran 2x slower under that setting (0.51 s → 1.0 s for
-306 chunks of 65,536 × 90 float32).
+the worker's threads (the engine's too) to flush its TLB. What that costs a
+loading pipeline is measured in ``docs/performance.md`` ("The pipeline without
+Dask").
 
 When the setting ``rh-dask.distributed.heap-for-chunks`` asks for it (it is
 off by default: the change is the whole worker process's), the engine's actor
