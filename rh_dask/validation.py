@@ -35,10 +35,6 @@ class Batch:
     sample_weight: Any | None
     feature_names: np.ndarray | None
 
-    @property
-    def n_rows(self) -> int:
-        return int(self.X.shape[0])
-
 
 def is_device_array(obj: Any) -> bool:
     """True for CuPy arrays and other CUDA arrays (CUDA array interface or DLPack)."""

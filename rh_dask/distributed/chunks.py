@@ -415,7 +415,6 @@ class ChunkGraph:
                         stack.append(dep)
             self._owned.append(mine)
             self._refs.append(refs)
-        self._maker = made_by
         self._held_by: list[list[Key]] = [[] for _ in self.keys]
         self._released_at: list[list[Key]] = [[] for _ in self.keys]
         for key, last in last_use.items():
@@ -447,10 +446,6 @@ class ChunkGraph:
     def shared_needed(self, index: int) -> list[Key]:
         """Held keys of earlier chunks that chunk ``index`` references."""
         return sorted(self._refs[index], key=str)
-
-    def maker(self, key: Key) -> int:
-        """The chunk whose submission computes ``key`` first."""
-        return self._maker[key]
 
     def release_after(self, index: int) -> list[Key]:
         """Held keys whose last user is chunk ``index``."""
