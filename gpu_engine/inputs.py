@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 
 from rh_dask.exceptions import ValidationError
+from rh_dask.validation import check_width
 
 from . import layout
 from .transfer import HostStager, StagedBatch, as_device_array
@@ -48,16 +49,6 @@ def raise_if_invalid(status_i: np.ndarray) -> None:
     for bit, message in _INVALID_BITS:
         if flags & bit:
             raise ValidationError(message)
-
-
-def check_width(X: Any, expected: int | None) -> None:
-    """Refuse an ``X`` that is not 2-D or not ``expected`` features wide."""
-    if X.ndim != 2:
-        raise ValidationError(f"X must be 2-D, got {X.ndim}-D")
-    if expected is not None and X.shape[1] != expected:
-        raise ValidationError(
-            f"X has {X.shape[1]} features, but the stream is expecting {expected} features"
-        )
 
 
 def check_shapes(X: Any, y: Any, w: Any | None, n_features: int | None) -> None:

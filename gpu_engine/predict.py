@@ -7,8 +7,10 @@ from typing import Any
 
 import numpy as np
 
+from rh_dask.validation import check_width
+
 from . import layout
-from .inputs import check_width, is_cuda
+from .inputs import is_cuda
 from .kernels import Kernels
 from .launch import Launcher
 from .state import DeviceState

@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from rh_dask.exceptions import NotFittedError, ValidationError
+from rh_dask.exceptions import NotFittedError
 from rh_dask.state import HuberState
 
 from .workspace import Workspace
@@ -114,12 +114,7 @@ class DeviceState:
             When ``state.fit_intercept`` is not the engine's, or the state
             is malformed.
         """
-        if state.fit_intercept != fit_intercept:
-            raise ValidationError(
-                f"state has fit_intercept={state.fit_intercept}, engine config has {fit_intercept}"
-            )
-        state.validate()
-        state = state.astype(dtype)
+        state = state.for_engine(fit_intercept, dtype)
         cp, ws, stream = self._cp, self._ws, self._stream
         with cp.cuda.Device(self._device_id), stream:
             ws.ensure_params(state.n_params)

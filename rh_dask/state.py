@@ -86,6 +86,34 @@ class HuberState:
         out.information = out.information.astype(dtype)
         return out
 
+    def for_engine(self, fit_intercept: bool, dtype: np.dtype | str) -> HuberState:
+        """This state validated and cast to ``dtype``, for an engine to import.
+
+        Parameters
+        ----------
+        fit_intercept : bool
+            The importing engine's configuration.
+        dtype : numpy.dtype or str
+            The importing engine's compute dtype.
+
+        Returns
+        -------
+        HuberState
+            A copy in ``dtype``; ``self`` is not modified.
+
+        Raises
+        ------
+        ValidationError
+            When ``fit_intercept`` differs from the state's, or the state is
+            malformed (see :meth:`validate`).
+        """
+        if self.fit_intercept != fit_intercept:
+            raise ValidationError(
+                f"state has fit_intercept={self.fit_intercept}, engine config has {fit_intercept}"
+            )
+        self.validate()
+        return self.astype(dtype)
+
     def counters(self) -> dict[str, int | float | bool]:
         """The scalar fields, as JSON-friendly Python values."""
         return {

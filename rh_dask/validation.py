@@ -261,6 +261,43 @@ def validate_weights(sample_weight: Any, n: int, dtype: np.dtype) -> np.ndarray 
     return w
 
 
+def check_n_features(n_features: int | None, expected: int | None, owner: str) -> None:
+    """Refuse an ``X`` of ``n_features`` columns where ``owner`` expects ``expected``.
+
+    Parameters
+    ----------
+    n_features : int or None
+        Columns of the input; ``None`` when not known yet (passes).
+    expected : int or None
+        Columns of the stream; ``None`` before its first batch (passes).
+    owner : str
+        Who expects them, as the message names it (the estimator's class name,
+        ``"the stream"`` for an engine).
+
+    Raises
+    ------
+    ValidationError
+        When both counts are known and differ.
+    """
+    if n_features is not None and expected is not None and n_features != expected:
+        raise ValidationError(
+            f"X has {n_features} features, but {owner} is expecting {expected} features as input."
+        )
+
+
+def check_width(X: Any, expected: int | None) -> None:
+    """An engine's structural check of ``X`` (host or device): 2-D, ``expected`` columns wide.
+
+    Raises
+    ------
+    ValidationError
+        When ``X`` is not 2-D, or a known ``expected`` differs from its width.
+    """
+    if X.ndim != 2:
+        raise ValidationError(f"X must be 2-D, got {X.ndim}-D")
+    check_n_features(int(X.shape[1]), expected, "the stream")
+
+
 def validate_features(
     X: Any,
     *,
@@ -276,11 +313,7 @@ def validate_features(
     names = feature_names_of(X)
     check_feature_names(names, feature_names, fitted=fitted, owner=owner)
     arr = _as_host_array(X, "X", dtype, two_d=True, finite=check_finite)
-    if n_features is not None and arr.shape[1] != n_features:
-        raise ValidationError(
-            f"X has {arr.shape[1]} features, but {owner} is expecting {n_features} "
-            "features as input."
-        )
+    check_n_features(arr.shape[1], n_features, owner)
     return arr, names
 
 
@@ -332,11 +365,8 @@ def validate_batch(
             raise ValidationError(
                 "X, y and sample_weight must all be on the host or all on the device"
             )
-        if fitted and len(X.shape) == 2 and n_features is not None and X.shape[1] != n_features:
-            raise ValidationError(
-                f"X has {X.shape[1]} features, but {owner} is expecting {n_features} "
-                "features as input."
-            )
+        if fitted and len(X.shape) == 2:
+            check_n_features(int(X.shape[1]), n_features, owner)
         return Batch(X, ravel_column_vector(y), sample_weight, None)
     X_arr, names = validate_features(
         X,

@@ -17,11 +17,14 @@ from devices import gpu_usable
 
 from rh_dask import (
     EngineUnavailableError,
+    HuberConfig,
+    HuberState,
     InputTypeError,
+    NumpyEngine,
     RenewableHuberRegressor,
     ValidationError,
 )
-from rh_dask.validation import validate_batch
+from rh_dask.validation import check_n_features, validate_batch
 
 N_FEATURES = 4
 
@@ -502,3 +505,37 @@ def test_a_column_vector_y_passes_validation_raveled_with_a_warning(stream):
     # Weights have no such convention: a column of weights is refused.
     with pytest.raises(ValidationError, match=r"sample_weight must be 1-D"):
         validate_batch(X, y, w[:, None], dtype="float64")
+
+
+def test_one_width_check_names_its_owner_and_lets_unknown_counts_pass():
+    check_n_features(None, 3, "RenewableHuberRegressor")
+    check_n_features(3, None, "RenewableHuberRegressor")
+    check_n_features(3, 3, "RenewableHuberRegressor")
+    with pytest.raises(ValidationError) as info:
+        check_n_features(2, 3, "RenewableHuberRegressor")
+    assert str(info.value) == (
+        "X has 2 features, but RenewableHuberRegressor is expecting 3 features as input."
+    )
+
+
+def test_the_engine_refuses_a_wrong_width_with_the_same_message():
+    rng = np.random.default_rng(3)
+    engine = NumpyEngine(HuberConfig())
+    engine.partial_fit(rng.normal(size=(50, 3)), rng.normal(size=50))
+    with pytest.raises(ValidationError) as info:
+        engine.predict(np.zeros((4, 2)))
+    assert str(info.value) == "X has 2 features, but the stream is expecting 3 features as input."
+    with pytest.raises(ValidationError, match="X must be 2-D, got 1-D"):
+        engine.predict(np.zeros(3))
+
+
+def test_a_state_for_an_engine_is_a_validated_copy_in_its_dtype():
+    state = HuberState.empty(2, fit_intercept=True, dtype="float64")
+    moved = state.for_engine(True, "float32")
+    assert moved.coefficients.dtype == np.float32 and moved.information.dtype == np.float32
+    assert state.coefficients.dtype == np.float64
+    with pytest.raises(ValidationError, match="state has fit_intercept=True, engine config has"):
+        state.for_engine(False, "float64")
+    state.information[0, 0] = np.nan
+    with pytest.raises(ValidationError, match="non-finite"):
+        state.for_engine(True, "float64")

@@ -22,7 +22,12 @@ import numpy as np
 
 from ..exceptions import ValidationError
 from ..stream import Stream
-from ..validation import check_feature_names, ravel_column_vector, warn_column_vector
+from ..validation import (
+    check_feature_names,
+    check_n_features,
+    ravel_column_vector,
+    warn_column_vector,
+)
 from .chunks import AlignedStream, ChunkGraph, align_stream
 from .consumer import STREAM_BLAS_THREADS, blas_limiter
 from .coordinator import LOADERS, ClusterWalk
@@ -114,15 +119,6 @@ def _known(chunks: tuple[float, ...]) -> bool:
     return not any(math.isnan(c) for c in chunks)
 
 
-def _check_width(aligned: AlignedStream, stream: Stream, owner: str) -> None:
-    """The collection's width versus a started stream's."""
-    if aligned.n_features is not None and aligned.n_features != stream.n_features:
-        raise ValidationError(
-            f"X has {aligned.n_features} features, but {owner} is expecting "
-            f"{stream.n_features} features as input."
-        )
-
-
 def column_vector_target(y: Any) -> Any:
     """``y`` of shape (n, 1) (a Dask array, a one-column DataFrame, in memory) as 1-D.
 
@@ -197,7 +193,7 @@ def stream_fit(
     aligned = align_stream(X, column_vector_target(y), sample_weight)
     _check_row_chunks(aligned)
     if continuing:
-        _check_width(aligned, stream, owner)
+        check_n_features(aligned.n_features, stream.n_features, owner)
         # Called from here, so that a warning's stacklevel reaches the estimator's method.
         check_feature_names(_names(aligned), stream.feature_names, fitted=True, owner=owner)
     client = current_client()

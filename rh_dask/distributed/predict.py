@@ -17,6 +17,7 @@ from dask.delayed import Delayed
 from ..exceptions import ValidationError
 from ..validation import (
     check_feature_names,
+    check_n_features,
     feature_names_of,
     is_device_array,
     validate_features,
@@ -77,11 +78,7 @@ def predict_dask(model: Any, X: Any) -> da.Array:
         raise ValidationError(
             f"predict on a Dask collection needs a 2-D Dask array or a DataFrame, got {X!r}"
         )
-    if not np.isnan(X.shape[1]) and X.shape[1] != n_features:
-        raise ValidationError(
-            f"X has {X.shape[1]} features, but {owner} is expecting {n_features} "
-            "features as input."
-        )
+    check_n_features(None if np.isnan(X.shape[1]) else int(X.shape[1]), n_features, owner)
     if X.numblocks[1] > 1:
         X = X.rechunk({1: -1})
     meta = np.empty((0,), dtype=dtype)
@@ -146,11 +143,7 @@ def score_dask(model: Any, X: Any, y: Any, sample_weight: Any | None = None) -> 
     beta, fit_intercept, dtype, n_features = _model_terms(model)
     stream = align_stream(X, y, sample_weight)
     owner = type(model).__name__
-    if stream.n_features is not None and stream.n_features != n_features:
-        raise ValidationError(
-            f"X has {stream.n_features} features, but {owner} is expecting {n_features} "
-            "features as input."
-        )
+    check_n_features(stream.n_features, n_features, owner)
     names = None if stream.feature_names is None else np.asarray(stream.feature_names, object)
     check_feature_names(names, getattr(model, "feature_names_in_", None), fitted=True, owner=owner)
     graph = ChunkGraph(

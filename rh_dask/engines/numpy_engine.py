@@ -30,6 +30,7 @@ from ..core import (
 )
 from ..exceptions import EngineUnavailableError, NotFittedError, ValidationError
 from ..state import BatchDiagnostics, HuberState
+from ..validation import check_width
 
 __all__ = ["NumpyEngine", "solve_newton_system"]
 
@@ -276,18 +277,12 @@ class NumpyEngine:
         return self._require_state().copy()
 
     def import_state(self, state: HuberState) -> None:
-        if state.fit_intercept != self.config.fit_intercept:
-            raise ValidationError(
-                f"state has fit_intercept={state.fit_intercept}, "
-                f"engine config has {self.config.fit_intercept}"
-            )
-        state.validate()
-        self._state = state.astype(self.config.np_dtype)
+        self._state = state.for_engine(self.config.fit_intercept, self.config.np_dtype)
 
     def predict(self, X: Any) -> np.ndarray:
         state = self._require_state()
         X = np.asarray(X)
-        self._check_width(X, state.n_features_in)
+        check_width(X, state.n_features_in)
         beta = state.coefficients
         d = state.n_features_in
         out = X @ beta[:d]
@@ -340,14 +335,6 @@ class NumpyEngine:
             raise NotFittedError("the engine has consumed no batch yet")
         return self._state
 
-    def _check_width(self, X: np.ndarray, expected: int | None) -> None:
-        if X.ndim != 2:
-            raise ValidationError(f"X must be 2-D, got {X.ndim}-D")
-        if expected is not None and X.shape[1] != expected:
-            raise ValidationError(
-                f"X has {X.shape[1]} features, but the stream is expecting {expected} features"
-            )
-
     def _check_batch(
         self, X: Any, y: Any, w: Any | None
     ) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
@@ -357,7 +344,7 @@ class NumpyEngine:
             w is not None and not isinstance(w, np.ndarray)
         ):
             raise ValidationError("the numpy engine takes NumPy arrays (validate the batch first)")
-        self._check_width(X, self.n_features_in)
+        check_width(X, self.n_features_in)
         n = X.shape[0]
         if n < 1:
             raise ValidationError("a batch needs at least one row")
