@@ -7,6 +7,7 @@ from typing import Any
 
 import numpy as np
 
+from rh_dask.core import linear_predictor
 from rh_dask.validation import check_width
 
 from . import layout
@@ -73,11 +74,7 @@ class Predictor:
         if not is_cuda(X):
             X = np.asarray(X)
             check_width(X, d)
-            beta = self._state.beta_on_host(closed)
-            out = X @ beta[:d]
-            if counters.fit_intercept:
-                out += beta[d]
-            return out
+            return linear_predictor(X, self._state.beta_on_host(closed), counters.fit_intercept)
         cp = self._cp
         with cp.cuda.Device(self._device_id):
             self._caller_ready.record(cp.cuda.get_current_stream())

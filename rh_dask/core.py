@@ -1,10 +1,10 @@
 """Scalar rules of the numerical contract, shared by every engine.
 
-Nothing here touches a batch: these are the per-batch schedule (cumulative
-weight, bandwidth, penalty level, history term) and the numerical policy of
-the Newton solve ladder. Keeping them in one place is what lets the NumPy
-reference and the GPU engine agree to the last bit on every decision that
-does not depend on the data.
+Nothing here solves a batch: these are the per-batch schedule (cumulative
+weight, bandwidth, penalty level, history term), the numerical policy of
+the Newton solve ladder, and the linear predictor Xβ + b. Keeping them in
+one place is what lets the NumPy reference and the GPU engine agree to the
+last bit on every decision that does not depend on the data.
 
 Two implementation rules refine the contract without changing it (see
 ``docs/design.md``):
@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -102,6 +103,31 @@ def penalty_mask(n_features: int, fit_intercept: bool, dtype: np.dtype | str) ->
 def soft_threshold(x: np.ndarray, threshold: np.ndarray) -> np.ndarray:
     """S(x, t) = sign(x) · max(|x| − t, 0), elementwise."""
     return np.sign(x) * np.maximum(np.abs(x) - threshold, 0)
+
+
+def linear_predictor(X: Any, beta: Any, fit_intercept: bool) -> Any:
+    """Xβ, plus the intercept (β's last entry) when ``fit_intercept``.
+
+    Parameters
+    ----------
+    X : array of shape (n, d)
+        Validated input, in the array library of ``beta`` (NumPy, or CuPy
+        for a device array).
+    beta : array of shape (d + fit_intercept,)
+        The coefficients, the intercept last.
+    fit_intercept : bool
+        Whether ``beta`` ends with an intercept.
+
+    Returns
+    -------
+    array of shape (n,)
+        In the library and dtype of ``X @ beta``.
+    """
+    d = X.shape[1]
+    out = X @ beta[:d]
+    if fit_intercept:
+        out += beta[d]
+    return out
 
 
 def step_converged(step_norm: float, new_norm: float, tol: float) -> bool:

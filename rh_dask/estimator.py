@@ -19,6 +19,7 @@ from sklearn.base import BaseEstimator, RegressorMixin
 
 from .checkpoint import Checkpoint, load_checkpoint, save_checkpoint
 from .config import HuberConfig
+from .core import linear_predictor
 from .engines import resolve_engine_name
 from .exceptions import NotFittedError, ValidationError
 from .state import BatchDiagnostics, HuberState
@@ -473,11 +474,7 @@ class RenewableHuberRegressor(RegressorMixin, BaseEstimator):
             fitted=True,
             owner=type(self).__name__,
         )
-        beta = stream.coefficients()
-        out = X_arr @ beta[: stream.n_features]
-        if stream.config.fit_intercept:
-            out += beta[-1]
-        return out
+        return linear_predictor(X_arr, stream.coefficients(), stream.config.fit_intercept)
 
     def score(self, X: Any, y: Any, sample_weight: Any | None = None) -> float:
         """Coefficient of determination R² (weighted when ``sample_weight`` is given).

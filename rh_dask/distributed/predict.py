@@ -14,6 +14,7 @@ import dask.dataframe as dd
 import numpy as np
 from dask.delayed import Delayed
 
+from ..core import linear_predictor
 from ..exceptions import ValidationError
 from ..validation import (
     check_feature_names,
@@ -28,28 +29,17 @@ from .items import ChunkSpec
 from .loading import chunk_parts, validate_chunk
 
 
-def _linear(X: Any, beta: np.ndarray, fit_intercept: bool) -> Any:
-    """Xβ (+ intercept), as the in-memory ``predict`` computes it."""
-    d = X.shape[1]
-    if is_device_array(X):
-        import cupy
-
-        beta = cupy.asarray(beta)
-    out = X @ beta[:d]
-    if fit_intercept:
-        out += beta[d]
-    return out
-
-
 def _predict_block(
     block: Any, beta: np.ndarray, fit_intercept: bool, dtype: str, n_features: int
 ) -> Any:
     if is_device_array(block):
-        return _linear(block, beta, fit_intercept)
+        import cupy
+
+        return linear_predictor(block, cupy.asarray(beta), fit_intercept)
     X, _ = validate_features(
         block, dtype=dtype, n_features=n_features, feature_names=None, fitted=True
     )
-    return _linear(X, beta, fit_intercept)
+    return linear_predictor(X, beta, fit_intercept)
 
 
 def _model_terms(model: Any) -> tuple[np.ndarray, bool, str, int]:
@@ -103,7 +93,7 @@ def _r2_terms(
         return np.zeros(4)
     batch = validate_chunk(X, y_part, w_part, spec)
     y = batch.y.astype(np.float64)
-    pred = _linear(batch.X, beta, fit_intercept).astype(np.float64)
+    pred = linear_predictor(batch.X, beta, fit_intercept).astype(np.float64)
     w = np.ones_like(y) if batch.sample_weight is None else batch.sample_weight.astype(np.float64)
     weight = float(w.sum())
     if weight == 0:

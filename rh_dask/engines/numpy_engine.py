@@ -23,6 +23,7 @@ from ..core import (
     MIN_STEP,
     BatchSchedule,
     batch_schedule,
+    linear_predictor,
     penalty_mask,
     singular_rtol,
     soft_threshold,
@@ -283,12 +284,7 @@ class NumpyEngine:
         state = self._require_state()
         X = np.asarray(X)
         check_width(X, state.n_features_in)
-        beta = state.coefficients
-        d = state.n_features_in
-        out = X @ beta[:d]
-        if state.fit_intercept:
-            out += beta[d]
-        return out
+        return linear_predictor(X, state.coefficients, state.fit_intercept)
 
     def partial_fit(self, X: Any, y: Any, sample_weight: Any | None = None) -> BatchDiagnostics:
         cfg = self.config
