@@ -33,12 +33,10 @@ from typing import Any
 import numpy as np
 
 from rh_dask.exceptions import ValidationError
+from rh_dask.validation import DLPACK_CUDA, DLPACK_DEVICE_NAMES
 
 from .driver import DriverCalls
 
-# DLPack device types (dlpack.h): kDLCPU, kDLCUDA, kDLCUDAHost, kDLCUDAManaged.
-_KDL_CUDA = 2
-_KDL_NAMES = {1: "CPU", 2: "CUDA", 3: "CUDA pinned host", 13: "CUDA managed"}
 #: Rows of one staging chunk are sized to about this many bytes.
 CHUNK_BYTES = 4 << 20
 _MEMORY_TYPE_HOST = 1  # cudaMemoryTypeHost
@@ -64,8 +62,8 @@ def as_device_array(
         arr = cp.asarray(obj)  # a view of the same memory
     elif hasattr(obj, "__dlpack_device__"):
         kind, index = (int(v) for v in obj.__dlpack_device__())
-        if kind != _KDL_CUDA:
-            where = _KDL_NAMES.get(kind, f"DLPack device type {kind}")
+        if kind != DLPACK_CUDA:
+            where = DLPACK_DEVICE_NAMES.get(kind, f"DLPack device type {kind}")
             raise ValidationError(
                 f"{name} lives in {where} memory; the GPU engine takes CUDA device memory "
                 "(pass a NumPy array for host data, or move the tensor to the GPU explicitly)"

@@ -22,8 +22,12 @@ from sklearn.utils import assert_all_finite, check_array
 
 from .exceptions import InputTypeError, ValidationError
 
-# DLPack device types that live on a CUDA device (kDLCUDA, kDLCUDAHost, kDLCUDAManaged).
-_DLPACK_CUDA_TYPES = {2, 3, 13}
+#: DLPack device types (``DLDeviceType`` of dlpack.h), as messages name them.
+DLPACK_DEVICE_NAMES = {1: "CPU", 2: "CUDA", 3: "CUDA pinned host", 13: "CUDA managed"}
+#: kDLCUDA: memory of one CUDA device.
+DLPACK_CUDA = 2
+#: The DLPack device types CUDA owns (kDLCUDA, kDLCUDAHost, kDLCUDAManaged).
+DLPACK_CUDA_TYPES = frozenset({DLPACK_CUDA, 3, 13})
 
 
 @dataclass(frozen=True)
@@ -44,7 +48,7 @@ def is_device_array(obj: Any) -> bool:
     if dev is None or isinstance(obj, np.ndarray):
         return False
     try:
-        return int(dev()[0]) in _DLPACK_CUDA_TYPES
+        return int(dev()[0]) in DLPACK_CUDA_TYPES
     except Exception:
         return False
 

@@ -38,12 +38,11 @@ from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Any
 
+from ..distributed.placement import GPU_RESOURCE
 from ..exceptions import RhDaskError
 
 __all__ = ["ClusterError", "ClusterSession", "gpu_count", "open_cluster"]
 
-#: Resource name GPU workers advertise (``dask cuda worker --resources GPU=1``).
-GPU_RESOURCE = "GPU"
 #: Seconds an interrupted command gives a local cluster to close; its worker
 #: processes also exit when this process does.
 INTERRUPTED_CLOSE_SECONDS = 3.0

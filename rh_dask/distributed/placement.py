@@ -18,6 +18,7 @@ from typing import Any
 
 from ..exceptions import EngineUnavailableError
 
+#: The resource a GPU worker advertises (``dask cuda worker --resources GPU=1``).
 GPU_RESOURCE = "GPU"
 
 
