@@ -3,8 +3,10 @@
 The kernels live in ``gpu_engine/kernels/huber.cu`` as templates over the
 compute dtype; they are compiled once per (device, dtype) per process by NVRTC
 through :class:`cupy.RawModule` (CuPy also caches the binary on disk), with
-the control-block layout of :mod:`gpu_engine.layout` prepended as defines.
-No fast-math option is passed: float32 and float64 arithmetic stay IEEE.
+the control-block layout of :mod:`gpu_engine.layout` prepended as defines and
+the numerical contract's constants of :mod:`rh_dask.core` defined in the
+compile options. No fast-math option is passed: float32 and float64
+arithmetic stay IEEE.
 """
 
 from __future__ import annotations
@@ -16,9 +18,21 @@ from typing import Any
 
 import numpy as np
 
+from rh_dask.core import LAMM_MAX_TRIALS, LAMM_MIN_PHI, LAMM_SLACK
+
 from . import layout
 
 SOURCE = Path(__file__).with_name("kernels") / "huber.cu"
+
+#: NVRTC options: C++17, and the contract's constants as defines; ``repr`` writes
+#: the shortest literal that parses back to the same double, so the kernels
+#: compare against exactly the reference's values.
+COMPILE_OPTIONS: tuple[str, ...] = (
+    "--std=c++17",
+    f"-DRH_LAMM_SLACK={float(LAMM_SLACK)!r}",
+    f"-DRH_LAMM_MIN_PHI={float(LAMM_MIN_PHI)!r}",
+    f"-DRH_LAMM_MAX_TRIALS={int(LAMM_MAX_TRIALS)}",
+)
 
 KERNEL_NAMES: tuple[str, ...] = (
     "rh_build",
@@ -46,7 +60,7 @@ class Kernels:
         expressions = [f"{name}<{ctype}>" for name in KERNEL_NAMES]
         with cp.cuda.Device(device_id):
             self.module = cp.RawModule(
-                code=code, options=("--std=c++17",), name_expressions=expressions
+                code=code, options=COMPILE_OPTIONS, name_expressions=expressions
             )
             self.functions: dict[str, Any] = {
                 name: self.module.get_function(expr)

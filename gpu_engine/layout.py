@@ -16,6 +16,10 @@ them into ``#define`` lines prepended to the CUDA source.
 
 from __future__ import annotations
 
+import math
+
+from rh_dask.core import MIN_STEP
+
 # -- parameters (float64, written by the host before a batch) ------------------
 P_TAU = 0  #: τ rounded to the compute dtype
 P_HALF_INV_H = 1  #: 0.5 / h rounded to the compute dtype
@@ -60,8 +64,8 @@ N_INT = 16
 
 CTL_BYTES = N_DOUBLE * 8 + N_INT * 4
 
-#: Newton line search: the contract's t = 1, 1/2, ... down to the last t ≥ 1e-8.
-LINE_SEARCH_STEPS = 27
+#: Newton line search: the contract's t = 1, 1/2, ... down to the last t ≥ MIN_STEP.
+LINE_SEARCH_STEPS = math.floor(-math.log2(MIN_STEP)) + 1
 #: LAMM curvatures φ, 2φ, ..., 2^(K-1)φ evaluated in one pass over the data.
 LAMM_ROUND = 8
 #: Threads of the row kernels (warps of 32, one row per warp at a time).

@@ -14,8 +14,9 @@ from devices import gpu_usable
 
 import gpu_engine
 from gpu_engine import layout
-from gpu_engine.kernels import KERNEL_NAMES, SOURCE
+from gpu_engine.kernels import COMPILE_OPTIONS, KERNEL_NAMES, SOURCE
 from rh_dask import HuberConfig, RenewableHuberRegressor
+from rh_dask.core import LAMM_MAX_TRIALS, LAMM_MIN_PHI, LAMM_SLACK
 from rh_dask.engines import make_engine
 from rh_dask.exceptions import EngineUnavailableError, ValidationError
 
@@ -36,9 +37,21 @@ def test_every_layout_constant_the_kernels_use_is_defined():
     source = SOURCE.read_text()
     used = set(re.findall(r"\bRH_[A-Z0-9_]+\b", source))
     defined = set(re.findall(r"#define (RH_[A-Z0-9_]+) ", layout.cuda_defines()))
+    defined |= {o[2:].split("=")[0] for o in COMPILE_OPTIONS if o.startswith("-DRH_")}
     assert used <= defined, sorted(used - defined)
     for name in KERNEL_NAMES:
         assert re.search(rf"\b{name}\(", source), name
+
+
+def test_the_kernels_get_the_contract_constants_from_core_exactly():
+    defines = dict(o[2:].split("=") for o in COMPILE_OPTIONS if o.startswith("-D"))
+    assert float(defines["RH_LAMM_SLACK"]) == LAMM_SLACK
+    assert float(defines["RH_LAMM_MIN_PHI"]) == LAMM_MIN_PHI
+    assert int(defines["RH_LAMM_MAX_TRIALS"]) == LAMM_MAX_TRIALS
+    # No copy of them in the source, and no build without them.
+    code = "\n".join(line.split("//")[0] for line in SOURCE.read_text().splitlines())
+    assert not re.search(r"\b(1e-12|1e-0?8|40)\b", code)
+    assert re.search(r"#if !defined\(RH_LAMM_SLACK\).*\n#error", code)
 
 
 def test_control_block_fields_do_not_overlap():

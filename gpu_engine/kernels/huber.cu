@@ -1,7 +1,8 @@
 // Kernels of the rh-dask GPU engine (compiled at run time by NVRTC through
 // cupy.RawModule; gpu_engine/kernels.py prepends the RH_* layout constants
-// from gpu_engine/layout.py and instantiates every template for float and
-// double).
+// from gpu_engine/layout.py, defines the numerical contract's constants from
+// rh_dask/core.py in the compile options (RH_LAMM_SLACK, RH_LAMM_MIN_PHI,
+// RH_LAMM_MAX_TRIALS) and instantiates every template for float and double).
 //
 // Conventions
 // * Row kernels give one warp one row at a time (lanes stride the columns,
@@ -17,6 +18,10 @@
 //   iteration instead of driving each decision with its own round trip.
 // * Per-element arithmetic follows the NumPy reference operation by
 //   operation, in the compute dtype T; scalar reductions accumulate in double.
+
+#if !defined(RH_LAMM_SLACK) || !defined(RH_LAMM_MIN_PHI) || !defined(RH_LAMM_MAX_TRIALS)
+#error "the contract's constants come from rh_dask/core.py: compile through gpu_engine/kernels.py"
+#endif
 
 #define FULL_MASK 0xffffffffu
 #define MAX_WARPS (RH_ROW_THREADS / 32)
@@ -852,7 +857,7 @@ rh_lamm_eval(const T* __restrict__ Z, long long ldz, long long n, long long p, l
 // and steps e_k = c_k − β in shared memory (same code, same bits in every
 // block); each warp computes the K products z_i·e_k of a row and lane k adds
 // w R(−z_i·e_k). The last block takes the first k passing the majorisation
-// test, or moves φ on by 2^K for the next round (up to the contract's 40
+// test, or moves φ on by 2^K for the next round (up to RH_LAMM_MAX_TRIALS
 // trials), and tests convergence.
 // Dynamic shared memory: (K + 1)·ldp values of T.
 // ---------------------------------------------------------------------------
@@ -937,7 +942,7 @@ rh_lamm_trials(const T* __restrict__ Z, long long ldz, long long n, long long p,
     for (int k = 0; k < K; ++k) {
       const double phi = phi0 * ldexp(1.0, k);
       const double excess = (red[MAX_WARPS * 32 + k] + 0.5 * v[k]) / total;
-      if (excess <= 0.5 * phi * v[K + k] + 1e-12) {
+      if (excess <= 0.5 * phi * v[K + k] + RH_LAMM_SLACK) {
         s_k = k;
         break;
       }
@@ -945,7 +950,7 @@ rh_lamm_trials(const T* __restrict__ Z, long long ldz, long long n, long long p,
     if (s_k < 0) {
       ci[RH_I_TRIALS] += K;
       ctl[RH_S_PHI] = phi0 * ldexp(1.0, K);
-      if (ci[RH_I_TRIALS] >= 40) {  // the contract's LAMM_MAX_TRIALS
+      if (ci[RH_I_TRIALS] >= RH_LAMM_MAX_TRIALS) {
         ci[RH_I_ITER] += 1;
         record_stall(ci);
       }
@@ -970,7 +975,7 @@ rh_lamm_trials(const T* __restrict__ Z, long long ldz, long long n, long long p,
     block_sum<1>(q, red2);
     if (threadIdx.x == 0) {
       const double half = phik / 2.0;
-      ctl[RH_S_PHI] = half > 1e-8 ? half : 1e-8;  // the contract's LAMM_MIN_PHI
+      ctl[RH_S_PHI] = half > RH_LAMM_MIN_PHI ? half : RH_LAMM_MIN_PHI;
       ci[RH_I_TRIALS] = 0;
       ci[RH_I_ITER] += 1;
       ci[RH_I_ACCEPT] = 1;
