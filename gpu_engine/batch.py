@@ -14,22 +14,18 @@ from __future__ import annotations
 
 from typing import Any
 
-from rh_dask.config import HuberConfig
 from rh_dask.core import BatchSchedule, batch_schedule, singular_rtol
 from rh_dask.exceptions import ValidationError
 from rh_dask.state import BatchDiagnostics
 
 from . import layout
-from .driver import DriverCalls
 from .inputs import raise_if_invalid
-from .kernels import Kernels
 from .lamm import LammDriver
-from .launch import Launch, Launcher
+from .launch import Launch
 from .newton import NewtonDriver
-from .solver import DenseSolver
+from .parts import DeviceParts
 from .state import Counters
 from .transfer import StagedBatch
-from .workspace import Workspace
 
 
 class BatchRunner:
@@ -37,44 +33,19 @@ class BatchRunner:
 
     Parameters
     ----------
-    config : HuberConfig
-        The stream's configuration.
-    kernels : Kernels
-        The compiled kernels.
-    calls : DriverCalls
-        Queues copies and launches, synchronises.
-    stream : cupy.cuda.Stream
-        The engine's stream.
-    dense : DenseSolver
-        cuBLAS/cuSOLVER calls.
-    ws : Workspace
-        The engine's buffers.
-    launcher : Launcher
-        Prepared launches and graphs.
+    parts : DeviceParts
+        The engine's device-side collaborators.
     newton, lamm : NewtonDriver, LammDriver
         The solvers.
     """
 
     def __init__(
         self,
-        config: HuberConfig,
-        kernels: Kernels,
-        calls: DriverCalls,
-        stream: Any,
-        dense: DenseSolver,
-        ws: Workspace,
-        launcher: Launcher,
+        parts: DeviceParts,
         newton: NewtonDriver,
         lamm: LammDriver,
     ) -> None:
-        self._config = config
-        self._dtype = config.np_dtype
-        self._kernels = kernels
-        self._calls = calls
-        self._stream = stream
-        self._dense = dense
-        self._ws = ws
-        self._launcher = launcher
+        self._parts = parts
         self._newton = newton
         self._lamm = lamm
 
@@ -93,14 +64,14 @@ class BatchRunner:
             For non-finite values, negative weights or a non-positive weight
             sum (found on the device), or a stream too wide for the solver.
         """
-        cfg = self._config
-        ws = self._ws
+        cfg = self._parts.config
+        ws = self._parts.ws
         n, d = int(X.shape[0]), int(X.shape[1])
         p = d + int(cfg.fit_intercept)
         before = counters or Counters(n_features_in=d, fit_intercept=cfg.fit_intercept)
-        stream = self._stream
+        stream = self._parts.stream
         with stream:
-            calls = self._calls
+            calls = self._parts.calls
             if staged is not None:
                 calls.stream_wait(stream.ptr, staged.slot.ready.ptr)
             fresh = ws.ensure_params(p)
@@ -108,15 +79,15 @@ class BatchRunner:
                 ws.beta.fill(0)
                 ws.J.fill(0)
             ws.ensure_rows(n)
-            self._dense.prepare(p, ws.H)
+            self._parts.dense.prepare(p, ws.H)
             schedule = None if w is not None else batch_schedule(cfg, before, float(n))
             self._write_header(schedule, p)
             calls.copy_to_device(ws.ctl_ptr, ws.header.ptr, layout.CTL_BYTES, stream.ptr)
             # Packed for this batch only: X's address changes from batch to batch.
             Launch(
                 calls,
-                self._kernels.rh_build,
-                self._launcher.grid(n),
+                self._parts.kernels.rh_build,
+                self._parts.launcher.grid(n),
                 layout.ROW_THREADS,
                 (
                     X,
@@ -149,7 +120,7 @@ class BatchRunner:
                 schedule = batch_schedule(cfg, before, total_w)
                 self._write_header(schedule, p)
                 calls.copy_to_device(ws.ctl_ptr, ws.header.ptr, layout.N_PARAM * 8, stream.ptr)
-            self._launcher.follow(ws.generation)
+            self._parts.launcher.follow(ws.generation)
             if cfg.penalised:
                 self._lamm.solve(n)
             else:
@@ -179,8 +150,8 @@ class BatchRunner:
 
     def _write_header(self, schedule: BatchSchedule | None, p: int) -> None:
         """Fill the pinned control-block image for this batch (``None``: Σw not known yet)."""
-        cfg, ws = self._config, self._ws
-        dt = self._dtype.type
+        cfg, ws = self._parts.config, self._parts.ws
+        dt = self._parts.config.np_dtype.type
         hd, hi = ws.header_d, ws.header_i
         hd[:] = 0.0
         hi[:] = 0
@@ -195,7 +166,7 @@ class BatchRunner:
             hd[layout.P_LAM] = dt(schedule.lambda_value)
             hd[layout.P_LAMBDA_VALUE] = schedule.lambda_value
         hd[layout.P_TOL] = cfg.tol
-        hd[layout.P_RTOL] = singular_rtol(self._dtype, p)
+        hd[layout.P_RTOL] = singular_rtol(self._parts.config.np_dtype, p)
         hd[layout.P_MAX_ITER] = float(cfg.max_iter)
         hd[layout.P_FIT_INTERCEPT] = 1.0 if cfg.fit_intercept else 0.0
         hd[layout.P_PENALISED] = 1.0 if cfg.penalised else 0.0

@@ -37,6 +37,7 @@ from .kernels import get_kernels
 from .lamm import LammDriver
 from .launch import Launcher
 from .newton import CHOLESKY_MODES, NewtonDriver
+from .parts import DeviceParts
 from .predict import Predictor
 from .solver import DenseSolver
 from .state import DeviceState
@@ -151,10 +152,12 @@ class GpuEngine:
                 self._launcher,
                 self._state,
             )
-        parts = (kernels, self._calls, stream, self._dense, self._ws, self._launcher)
-        self._newton = NewtonDriver(config, cholesky, *parts)
-        self._lamm = LammDriver(config, *parts)
-        self._batches = BatchRunner(config, *parts, self._newton, self._lamm)
+        parts = DeviceParts(
+            config, kernels, self._calls, stream, self._dense, self._ws, self._launcher
+        )
+        self._newton = NewtonDriver(parts, cholesky)
+        self._lamm = LammDriver(parts)
+        self._batches = BatchRunner(parts, self._newton, self._lamm)
         self._closed = False
         self._pinned_pool: PinnedPool | None = None
 

@@ -11,20 +11,13 @@ host synchronises once per group.
 
 from __future__ import annotations
 
-from typing import Any
-
-from rh_dask.config import HuberConfig
 from rh_dask.core import LAMM_MAX_TRIALS
 from rh_dask.exceptions import ValidationError
 
 from . import layout
 from .commit import commit
-from .driver import DriverCalls
 from .inputs import raise_if_invalid
-from .kernels import Kernels
-from .launch import Launcher
-from .solver import DenseSolver
-from .workspace import Workspace
+from .parts import DeviceParts
 
 
 class LammDriver:
@@ -32,39 +25,15 @@ class LammDriver:
 
     Parameters
     ----------
-    config : HuberConfig
-        The stream's configuration (``max_iter``).
-    kernels : Kernels
-        The compiled kernels (shared-memory limits).
-    calls : DriverCalls
-        Synchronises with the device.
-    stream : cupy.cuda.Stream
-        The engine's stream.
-    dense : DenseSolver
-        The commit's Gram GEMM.
-    ws : Workspace
-        The engine's buffers.
-    launcher : Launcher
-        Prepared launches and graphs.
+    parts : DeviceParts
+        The engine's device-side collaborators.
     """
 
     def __init__(
         self,
-        config: HuberConfig,
-        kernels: Kernels,
-        calls: DriverCalls,
-        stream: Any,
-        dense: DenseSolver,
-        ws: Workspace,
-        launcher: Launcher,
+        parts: DeviceParts,
     ) -> None:
-        self._config = config
-        self._kernels = kernels
-        self._calls = calls
-        self._stream = stream
-        self._dense = dense
-        self._ws = ws
-        self._launcher = launcher
+        self._parts = parts
         #: LAMM iterations of the last batch solved: sizes the next batch's first queue.
         self.last_iterations = 4
 
@@ -74,10 +43,10 @@ class LammDriver:
         Raises the batch's :class:`ValidationError` after the first group if
         ``rh_build`` flagged its values.
         """
-        ws, launcher = self._ws, self._launcher
+        ws, launcher = self._parts.ws, self._parts.launcher
         shape = self._shape()
         # Each round is one group of φ trials; an iteration takes at most five.
-        rounds_left = self._config.max_iter * (LAMM_MAX_TRIALS // layout.LAMM_ROUND)
+        rounds_left = self._parts.config.max_iter * (LAMM_MAX_TRIALS // layout.LAMM_ROUND)
         queue = max(2, self.last_iterations + 1)
         first = True
         while rounds_left > 0:
@@ -88,9 +57,9 @@ class LammDriver:
                 if queue & bit:
                     launcher.run(("rounds", n, bit), lambda b=bit: self._rounds(n, b, shape))
                 bit <<= 1
-            launcher.run(("commit", n), lambda: commit(launcher, self._dense, ws, n))
+            launcher.run(("commit", n), lambda: commit(launcher, self._parts.dense, ws, n))
             rounds_left -= queue
-            self._calls.synchronize(self._stream)
+            self._parts.calls.synchronize(self._parts.stream)
             if first:
                 raise_if_invalid(ws.status_i)
                 first = False
@@ -105,7 +74,7 @@ class LammDriver:
         Sets the kernels' shared-memory limits, which must not happen during
         a graph capture.
         """
-        ws, k = self._ws, self._kernels
+        ws, k = self._parts.ws, self._parts.kernels
         per_warp = ws.ldp * 8
         budget = k.max_shared - 8 * 1024 - ws.ldp * ws.item
         warps = max(1, min(layout.ROW_THREADS // 32, budget // per_warp))
@@ -127,7 +96,7 @@ class LammDriver:
 
     def _rounds(self, n: int, rounds: int, shape: tuple[int, int, int]) -> None:
         """Queue ``rounds`` LAMM rounds (eval, then trials) for the ``n``-row batch."""
-        ws, launcher = self._ws, self._launcher
+        ws, launcher = self._parts.ws, self._parts.launcher
         p = ws.p
         threads, shared, trial_shared = shape
         for _ in range(rounds):

@@ -14,20 +14,13 @@ minimum-norm SVD solution) and the line search is rerun with that direction.
 
 from __future__ import annotations
 
-from typing import Any
-
-from rh_dask.config import HuberConfig
 from rh_dask.core import singular_rtol
 from rh_dask.exceptions import ValidationError
 
 from . import layout
 from .commit import commit_finish, row_pass
-from .driver import DriverCalls
 from .inputs import raise_if_invalid
-from .kernels import Kernels
-from .launch import Launcher
-from .solver import DenseSolver
-from .workspace import Workspace
+from .parts import DeviceParts
 
 #: ``cholesky="auto"`` takes the fused kernel up to this p. Measured on an H200
 #: (benchmarks/results/shape_sweep*.json, rh_gpu_kernel vs rh_gpu_cusolver, and
@@ -46,44 +39,19 @@ class NewtonDriver:
 
     Parameters
     ----------
-    config : HuberConfig
-        The stream's configuration (``max_iter``, dtype).
+    parts : DeviceParts
+        The engine's device-side collaborators.
     cholesky : {"auto", "kernel", "cusolver"}
         How the Newton system is factorised (see :class:`GpuEngine`).
-    kernels : Kernels
-        The compiled kernels (shared-memory limits).
-    calls : DriverCalls
-        Synchronises with the device.
-    stream : cupy.cuda.Stream
-        The engine's stream.
-    dense : DenseSolver
-        cuBLAS/cuSOLVER calls and the fallback ladder.
-    ws : Workspace
-        The engine's buffers.
-    launcher : Launcher
-        Prepared launches and graphs.
     """
 
     def __init__(
         self,
-        config: HuberConfig,
+        parts: DeviceParts,
         cholesky: str,
-        kernels: Kernels,
-        calls: DriverCalls,
-        stream: Any,
-        dense: DenseSolver,
-        ws: Workspace,
-        launcher: Launcher,
     ) -> None:
-        self._config = config
-        self._dtype = config.np_dtype
+        self._parts = parts
         self._cholesky = cholesky
-        self._kernels = kernels
-        self._calls = calls
-        self._stream = stream
-        self._dense = dense
-        self._ws = ws
-        self._launcher = launcher
         #: Whether the last solve used the fused one-block kernel.
         self.small_solve = False
 
@@ -94,23 +62,23 @@ class NewtonDriver:
         Raises the batch's :class:`ValidationError` after the first one if
         ``rh_build`` flagged its values.
         """
-        ws, run = self._ws, self._launcher.run
+        ws, run = self._parts.ws, self._parts.launcher.run
         self.small_solve = self._fused_solve_fits(p)
         run(("prime", n), lambda: self._eval_and_gram(n))
-        for it in range(self._config.max_iter):
+        for it in range(self._parts.config.max_iter):
             run(("step", n), lambda: self._step(n))
-            self._calls.synchronize(self._stream)
+            self._parts.calls.synchronize(self._parts.stream)
             if it == 0:
                 raise_if_invalid(ws.status_i)
             if ws.status_i[layout.I_FALLBACK]:
-                direction = self._dense.fallback_direction(
-                    ws.Hs, ws.g, p, singular_rtol(self._dtype, p)
+                direction = self._parts.dense.fallback_direction(
+                    ws.Hs, ws.g, p, singular_rtol(self._parts.config.np_dtype, p)
                 )
                 ws.D[...] = direction
                 self._search(n, force=1)
                 self._eval_and_gram(n)
-                commit_finish(self._launcher, ws)
-                self._calls.synchronize(self._stream)
+                commit_finish(self._parts.launcher, ws)
+                self._parts.calls.synchronize(self._parts.stream)
             if ws.status_i[layout.I_DONE]:
                 return
 
@@ -124,25 +92,25 @@ class NewtonDriver:
             return False
         if self._cholesky == "auto" and p > FUSED_SOLVE_MAX_P:
             return False
-        shared = (p * p + 2 * p) * self._ws.item
-        fits = shared + 8 * 1024 <= self._kernels.max_shared and p <= 32 * layout.SOLVE_ROWS
+        shared = (p * p + 2 * p) * self._parts.ws.item
+        fits = shared + 8 * 1024 <= self._parts.kernels.max_shared and p <= 32 * layout.SOLVE_ROWS
         if not fits and self._cholesky == "kernel":
             raise ValidationError(
                 f"cholesky='kernel' needs the {p}×{p} system in shared memory "
-                f"({shared} bytes, the device allows {self._kernels.max_shared})"
+                f"({shared} bytes, the device allows {self._parts.kernels.max_shared})"
             )
         if fits:
-            self._kernels.allow_shared("rh_newton_solve", shared)
+            self._parts.kernels.allow_shared("rh_newton_solve", shared)
         return fits
 
     def _eval_and_gram(self, n: int) -> None:
         """κ, ψ and loss at the trial β (residuals kept for the search), then the Gram."""
-        ws = self._ws
-        row_pass(self._launcher, self._dense, ws, "rh_newton_eval", n, (ws.r,), ())
+        ws = self._parts.ws
+        row_pass(self._parts.launcher, self._parts.dense, ws, "rh_newton_eval", n, (ws.r,), ())
 
     def _step(self, n: int) -> None:
         """One iteration: solve, line search, row pass and Gram at the new β, commit."""
-        ws, launch = self._ws, self._launcher.launch
+        ws, launch = self._parts.ws, self._parts.launcher.launch
         p = ws.p
         if self.small_solve:
             launch(
@@ -161,16 +129,16 @@ class NewtonDriver:
                 layout.SMALL_THREADS,
                 (ws.C, ws.J, ws.beta_work, ws.beta, p, ws.ctl, ws.H, ws.Hs, ws.g, ws.D),
             )
-            self._dense.cholesky_solve(
+            self._parts.dense.cholesky_solve(
                 ws.H, ws.D, p, ws.int_ptr(layout.I_INFO), ws.int_ptr(layout.I_INFO_SOLVE)
             )
         self._search(n, force=0)
         self._eval_and_gram(n)
-        commit_finish(self._launcher, ws)
+        commit_finish(self._parts.launcher, ws)
 
     def _search(self, n: int, force: int) -> None:
         """``rh_newton_search``: the backtracking steps in one pass (``force``: take D as is)."""
-        ws, launcher = self._ws, self._launcher
+        ws, launcher = self._parts.ws, self._parts.launcher
         p = ws.p
         launcher.launch(
             ("search", n, force),
