@@ -104,7 +104,7 @@ class ClusterSession:
         return any(w["resources"].get(GPU_RESOURCE, 0) >= 1 for w in self.workers())
 
     def close(self, *, interrupted: bool = False) -> None:
-        """Close the client, and the cluster when this session started it.
+        """Close the client, and the cluster when this ClusterSession started it.
 
         Parameters
         ----------
