@@ -82,15 +82,7 @@ def check_file(path: str | os.PathLike[str], option: str, *, overwrite: bool = T
     path = Path(path).expanduser()
     if path.is_dir():
         raise InputError(f"{option} {_show(path)} is a directory; give a file name")
-    if path.exists() and not overwrite:
-        raise InputError(f"{option} {_show(path)} exists; pass --overwrite to replace it")
-    parent = path.parent
-    if not parent.exists():
-        raise InputError(f"{option} {_show(path)}: the directory {_show(parent)} does not exist")
-    if not parent.is_dir():
-        raise InputError(f"{option} {_show(path)}: {_show(parent)} is not a directory")
-    _writable(parent, option, path)
-    return path
+    return check_dataset(path, option, overwrite=overwrite)
 
 
 def check_dataset(path: str | os.PathLike[str], option: str, *, overwrite: bool) -> Path:
