@@ -28,7 +28,15 @@ from .engines import Engine, make_engine, resolve_engine_name
 from .exceptions import ValidationError
 from .state import BatchDiagnostics, HuberState
 
-__all__ = ["HISTORY_COLUMNS", "BatchRecord", "Stream", "history_frame"]
+__all__ = [
+    "HISTORY_COLUMNS",
+    "RECOVERY_COLUMNS",
+    "BatchRecord",
+    "Recovery",
+    "Stream",
+    "history_frame",
+    "recovery_frame",
+]
 
 #: Columns of ``RenewableHuberRegressor.history_``, one row per :class:`BatchRecord`.
 HISTORY_COLUMNS = (
@@ -101,6 +109,76 @@ def history_frame(records: Sequence[BatchRecord]) -> pd.DataFrame:
     """``history_``: one row per record, the columns :data:`HISTORY_COLUMNS`."""
     frame = pd.DataFrame([r.history_row() for r in records], columns=list(HISTORY_COLUMNS))
     return frame.astype(dict(zip(HISTORY_COLUMNS, _HISTORY_DTYPES, strict=True)))
+
+
+#: Columns of ``RenewableHuberRegressor.recoveries_``, one row per :class:`Recovery`.
+RECOVERY_COLUMNS = (
+    "time",
+    "kind",
+    "lost_worker",
+    "new_worker",
+    "from_chunk",
+    "chunks_replayed",
+    "detect_seconds",
+    "recover_seconds",
+)
+
+
+@dataclass(frozen=True)
+class Recovery:
+    """One time a stream went on after losing its engine, or was resumed from a checkpoint.
+
+    Attributes
+    ----------
+    time : float
+        When the stream went on (POSIX seconds, UTC).
+    kind : {"worker-lost", "resume"}
+        ``"worker-lost"``: the engine's worker died during a Dask walk and a
+        new actor continued from the last stream checkpoint; ``"resume"``:
+        ``fit(..., resume_from=...)`` continued a checkpoint in a new call.
+    lost_worker, new_worker : str
+        Addresses of the worker that was lost and of the one that took over
+        (empty for ``"resume"``).
+    from_chunk : int
+        The chunk the stream went on from (the checkpoint's next chunk).
+    chunks_replayed : int
+        Chunks the lost engine had consumed (as last reported to the client)
+        that are consumed again: the work the loss cost.
+    detect_seconds : float
+        From the last answer of the lost engine to the client's noticing the
+        loss (NaN for ``"resume"``).
+    recover_seconds : float
+        From noticing the loss to the new engine's being ready at ``from_chunk``.
+    """
+
+    time: float
+    kind: str
+    lost_worker: str
+    new_worker: str
+    from_chunk: int
+    chunks_replayed: int
+    detect_seconds: float
+    recover_seconds: float
+
+
+def recovery_frame(recoveries: Sequence[Recovery]) -> pd.DataFrame:
+    """``recoveries_``: one row per recovery, the columns :data:`RECOVERY_COLUMNS`."""
+    frame = pd.DataFrame(
+        [[getattr(r, c) for c in RECOVERY_COLUMNS] for r in recoveries],
+        columns=list(RECOVERY_COLUMNS),
+    )
+    frame["time"] = pd.to_datetime(frame["time"].astype("float64"), unit="s", utc=True)
+    return frame.astype(
+        {
+            "kind": object,
+            "lost_worker": object,
+            "new_worker": object,
+            "from_chunk": "int64",
+            "chunks_replayed": "int64",
+            "detect_seconds": "float64",
+            "recover_seconds": "float64",
+        }
+    )
 
 
 def _nothing() -> None:
