@@ -75,6 +75,17 @@ def _whole(key: str, value: Any) -> int:
     return value
 
 
+def _count(key: str, value: Any) -> int:
+    """A whole number >= 1."""
+    try:
+        count = _whole(key, value)
+    except SettingError:
+        count = 0
+    if count < 1:
+        raise _refuse(key, "a whole number >= 1", value)
+    return count
+
+
 def _bytes(key: str, value: Any) -> int:
     """A size >= 0: a whole number of bytes or text such as ``"48 MiB"``."""
     if isinstance(value, str):
@@ -173,6 +184,18 @@ class Settings:
     gpu_hold_gil : bool
         ``rh-dask.gpu.hold-gil``: the GPU engine's thread keeps the
         interpreter lock through its queueing CUDA calls.
+    checkpoint_every_chunks : int
+        ``rh-dask.checkpoint.every-chunks``: during a Dask walk, the stream's
+        state is copied off the engine's worker after every this many chunks.
+    checkpoint_every_seconds : float
+        ``rh-dask.checkpoint.every-seconds``: also after a chunk once this
+        long has passed since the last stream checkpoint (0: by chunks only).
+    max_retries : int
+        ``rh-dask.recovery.max-retries``: recoveries from a lost engine worker
+        allowed per call (0: the loss raises at once).
+    worker_timeout : float
+        ``rh-dask.recovery.worker-timeout``: seconds a recovery waits for a
+        worker that can host the engine to appear.
     """
 
     in_process_max_rows: int = 10_000_000
@@ -183,6 +206,10 @@ class Settings:
     heap_for_chunks: bool = False
     gpu_graphs: bool = True
     gpu_hold_gil: bool = True
+    checkpoint_every_chunks: int = 16
+    checkpoint_every_seconds: float = 60.0
+    max_retries: int = 3
+    worker_timeout: float = 60.0
 
     @classmethod
     def from_config(cls) -> Settings:
@@ -220,6 +247,16 @@ _KEYS: dict[str, tuple[str, Callable[[str, Any], Any]]] = {
     "heap_for_chunks": ("rh-dask.distributed.heap-for-chunks", _flag),
     "gpu_graphs": ("rh-dask.gpu.graphs", _flag),
     "gpu_hold_gil": ("rh-dask.gpu.hold-gil", _flag),
+    "checkpoint_every_chunks": ("rh-dask.checkpoint.every-chunks", _count),
+    "checkpoint_every_seconds": (
+        "rh-dask.checkpoint.every-seconds",
+        lambda key, value: _seconds(key, value, positive=False),
+    ),
+    "max_retries": ("rh-dask.recovery.max-retries", _whole),
+    "worker_timeout": (
+        "rh-dask.recovery.worker-timeout",
+        lambda key, value: _seconds(key, value, positive=True),
+    ),
 }
 
 
