@@ -10,6 +10,14 @@ Layout (format version 1):
   ``engine``, ``has_feature_names`` and ``digest``, the SHA-256 of the arrays
   and of the canonical JSON of everything else.
 
+A *walk checkpoint* (a Dask stream part-way, see :class:`WalkPosition`) adds
+a ``walk`` key to the JSON record (``next_chunk``, ``n_chunks``, ``n_empty``,
+``n_records``, the input's ``fingerprint`` and the ``recoveries``) and two
+members: ``history`` (float64, one row per batch record, the columns of
+:data:`HISTORY_FIELDS`, every value exact in float64) and ``coef_history``
+(float64, β after each record). Both are covered by the digest. A checkpoint
+without a walk is written exactly as before: no ``walk`` key, no extra member.
+
 Files are read with ``allow_pickle=False`` and every field is validated, so a
 checkpoint is safe to load from an untrusted source and loadable on a machine
 without a GPU.
@@ -24,7 +32,8 @@ import json
 import math
 import os
 import zipfile
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -34,30 +43,168 @@ from ._version import __version__
 from .config import HuberConfig
 from .engines import ENGINE_NAMES
 from .exceptions import CheckpointError, ValidationError
-from .state import HuberState
+from .state import BatchDiagnostics, HuberState
+from .stream import BatchRecord, Recovery
+
+__all__ = [
+    "FORMAT",
+    "FORMAT_VERSION",
+    "HISTORY_FIELDS",
+    "Checkpoint",
+    "WalkPosition",
+    "checkpoint_bytes",
+    "checkpoint_from_bytes",
+    "load_checkpoint",
+    "save_checkpoint",
+]
 
 FORMAT = "rh-dask-checkpoint"
 FORMAT_VERSION = 1
 _ARRAYS = ("coefficients", "information", "feature_names")
+#: Members only a walk checkpoint has.
+_WALK_ARRAYS = ("history", "coef_history")
+#: Columns of a walk checkpoint's ``history`` member, one row per batch record.
+HISTORY_FIELDS = (
+    "batch",
+    "chunk",
+    "rows",
+    "iterations",
+    "converged",
+    "objective",
+    "lambda_value",
+    "bandwidth",
+    "seconds",
+    "wait_seconds",
+)
+_INTEGER_FIELDS = ("batch", "chunk", "rows", "iterations")
+#: Integers above this are not exact in float64.
+_MAX_EXACT = 2**53
+_RECOVERY_KINDS = ("worker-lost", "resume")
+_RECOVERY_FIELDS = (
+    "time",
+    "kind",
+    "lost_worker",
+    "new_worker",
+    "from_chunk",
+    "chunks_replayed",
+    "detect_seconds",
+    "recover_seconds",
+)
 #: Deflate expands data at most about 1032-fold: a compressed member claiming
 #: more bytes per stored byte than this is forged.
 _MAX_INFLATION = 1100
 
 
+def _count(name: str, value: Any, minimum: int = 0) -> int:
+    """``value`` as an int >= ``minimum`` (bools and floats refused)."""
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise ValidationError(f"{name} is {value!r}, not an int")
+    if value < minimum:
+        raise ValidationError(f"{name} is {value}, need >= {minimum}")
+    return int(value)
+
+
+def _number(name: str, value: Any, *, minimum: float | None = None) -> float:
+    """``value`` as a finite float (>= ``minimum`` when given)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
+        raise ValidationError(f"{name} is {value!r}, not a number")
+    out = float(value)
+    if not math.isfinite(out):
+        raise ValidationError(f"{name} is {out}, need a finite number")
+    if minimum is not None and out < minimum:
+        raise ValidationError(f"{name} is {out}, need >= {minimum}")
+    return out
+
+
+@dataclass(frozen=True)
+class WalkPosition:
+    """Where a walk over a Dask stream stood when its checkpoint was taken.
+
+    Attributes
+    ----------
+    next_chunk : int
+        Index of the first chunk the state has not consumed: a resumed walk
+        goes on from it (``n_chunks`` for a finished walk).
+    n_chunks : int
+        Chunks of the stream.
+    n_empty : int
+        Zero-row chunks skipped before ``next_chunk``.
+    fingerprint : dict
+        The input the walk read (see :func:`rh_dask.distributed.fingerprint.fingerprint`),
+        held as the JSON it is written as (tuples become lists).
+
+    Raises
+    ------
+    ValidationError
+        When a count is not an int, ``next_chunk`` is not within
+        ``0..n_chunks``, ``n_empty`` is not within ``0..next_chunk``, or the
+        fingerprint is not a JSON object of finite values.
+    """
+
+    next_chunk: int
+    n_chunks: int
+    n_empty: int
+    fingerprint: dict[str, Any]
+
+    def __post_init__(self) -> None:
+        n_chunks = _count("n_chunks", self.n_chunks)
+        next_chunk = _count("next_chunk", self.next_chunk)
+        n_empty = _count("n_empty", self.n_empty)
+        if next_chunk > n_chunks:
+            raise ValidationError(f"next_chunk {next_chunk} exceeds n_chunks {n_chunks}")
+        if n_empty > next_chunk:
+            raise ValidationError(f"n_empty {n_empty} exceeds next_chunk {next_chunk}")
+        if not isinstance(self.fingerprint, dict):
+            raise ValidationError(f"fingerprint is {self.fingerprint!r}, not a dict")
+        try:
+            fingerprint = json.loads(json.dumps(self.fingerprint, allow_nan=False))
+        except (TypeError, ValueError) as exc:
+            raise ValidationError(f"fingerprint is not JSON of finite values: {exc}") from exc
+        object.__setattr__(self, "next_chunk", next_chunk)
+        object.__setattr__(self, "n_chunks", n_chunks)
+        object.__setattr__(self, "n_empty", n_empty)
+        object.__setattr__(self, "fingerprint", fingerprint)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "next_chunk": self.next_chunk,
+            "n_chunks": self.n_chunks,
+            "n_empty": self.n_empty,
+            "fingerprint": self.fingerprint,
+        }
+
+
 @dataclass(frozen=True)
 class Checkpoint:
-    """The content of a checkpoint file."""
+    """The content of a checkpoint file.
+
+    ``walk``, ``records`` and ``recoveries`` make it a *walk checkpoint*: a
+    Dask stream part-way, with the batch records and recoveries of the walk
+    so far. ``records`` and ``recoveries`` need ``walk``.
+    """
 
     config: HuberConfig
     state: HuberState
     feature_names: np.ndarray | None
     engine: str
     library_version: str = __version__
+    walk: WalkPosition | None = None
+    records: tuple[BatchRecord, ...] = field(default=())
+    recoveries: tuple[Recovery, ...] = field(default=())
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "records", tuple(self.records))
+        object.__setattr__(self, "recoveries", tuple(self.recoveries))
+        if self.walk is None and (self.records or self.recoveries):
+            raise ValidationError("batch records and recoveries belong to a walk checkpoint")
+        if self.walk is not None and not isinstance(self.walk, WalkPosition):
+            raise ValidationError(f"walk is a {type(self.walk).__name__}, not a WalkPosition")
 
 
 def _digest(arrays: dict[str, np.ndarray], record: dict[str, Any]) -> str:
     h = hashlib.sha256()
-    for name in _ARRAYS:
+    names = _ARRAYS + (_WALK_ARRAYS if "walk" in record else ())
+    for name in names:
         arr = arrays[name]
         h.update(name.encode())
         h.update(str(arr.dtype.str).encode())
@@ -67,18 +214,16 @@ def _digest(arrays: dict[str, np.ndarray], record: dict[str, Any]) -> str:
     return h.hexdigest()
 
 
-def save_checkpoint(path: str | os.PathLike[str], checkpoint: Checkpoint) -> Path:
-    """Write ``checkpoint`` to ``path`` atomically (write, flush, then rename).
+def checkpoint_bytes(checkpoint: Checkpoint) -> bytes:
+    """The ``.npz`` file of ``checkpoint``, as bytes.
 
     Raises
     ------
-    OSError
-        When the file cannot be written; no partial file is left behind and
-        an existing checkpoint at ``path`` stays as it was.
+    ValidationError
+        When a walk checkpoint's records or recoveries are inconsistent with
+        its position or state (the same checks as on reading): a file that
+        would be refused is never written.
     """
-    path = Path(path)
-    if path.suffix != ".npz":
-        path = path.with_suffix(path.suffix + ".npz") if path.suffix else path.with_suffix(".npz")
     names = checkpoint.feature_names
     arrays = {
         "coefficients": np.ascontiguousarray(checkpoint.state.coefficients),
@@ -94,10 +239,33 @@ def save_checkpoint(path: str | os.PathLike[str], checkpoint: Checkpoint) -> Pat
         "engine": checkpoint.engine,
         "has_feature_names": names is not None,
     }
+    if checkpoint.walk is not None:
+        _check_walk(checkpoint.walk, checkpoint.records, checkpoint.recoveries, checkpoint.state)
+        arrays.update(_walk_arrays(checkpoint.records, checkpoint.state.n_params))
+        record["walk"] = {
+            **checkpoint.walk.to_dict(),
+            "n_records": len(checkpoint.records),
+            "recoveries": [_recovery_to_json(r) for r in checkpoint.recoveries],
+        }
     record["digest"] = _digest(arrays, {k: v for k, v in record.items()})
     buffer = io.BytesIO()
     np.savez(buffer, metadata=np.asarray(json.dumps(record, sort_keys=True)), **arrays)
-    _write_atomically(path, buffer.getvalue())
+    return buffer.getvalue()
+
+
+def save_checkpoint(path: str | os.PathLike[str], checkpoint: Checkpoint) -> Path:
+    """Write ``checkpoint`` to ``path`` atomically (write, flush, then rename).
+
+    Raises
+    ------
+    OSError
+        When the file cannot be written; no partial file is left behind and
+        an existing checkpoint at ``path`` stays as it was.
+    """
+    path = Path(path)
+    if path.suffix != ".npz":
+        path = path.with_suffix(path.suffix + ".npz") if path.suffix else path.with_suffix(".npz")
+    _write_atomically(path, checkpoint_bytes(checkpoint))
     return path
 
 
@@ -122,45 +290,74 @@ def _write_atomically(path: Path, data: bytes) -> None:
 
 
 def load_checkpoint(path: str | os.PathLike[str]) -> Checkpoint:
-    """Read and verify a checkpoint.
-
-    Every array's declared dtype and shape are checked against the metadata
-    (p from ``n_features_in`` and ``fit_intercept``, the configured dtype)
-    and against the bytes the file really holds *before* anything is
-    allocated, so a forged header cannot make the reader allocate more than
-    the file's size.
+    """Read and verify a checkpoint file (see :func:`checkpoint_from_bytes`).
 
     Raises
     ------
     CheckpointError
-        If the file is missing, not an rh-dask checkpoint, of an unsupported
-        version, altered since it was written, or internally inconsistent
-        (shapes, dtypes, counters, an unknown engine name).
+        If the file is missing or unreadable, or refused by
+        :func:`checkpoint_from_bytes`; the message names ``path``.
     """
     path = Path(path)
     if not path.is_file():
         raise CheckpointError(f"no checkpoint file at {path}")
-    if not zipfile.is_zipfile(path):
+    try:
+        data = path.read_bytes()
+    except OSError as exc:
+        raise CheckpointError(f"cannot read checkpoint {path}: {exc}") from exc
+    return checkpoint_from_bytes(data, str(path))
+
+
+def checkpoint_from_bytes(data: bytes, source: str) -> Checkpoint:
+    """Read and verify a checkpoint held in ``data``.
+
+    Every array's declared dtype and shape are checked against the metadata
+    (p from ``n_features_in`` and ``fit_intercept``, the configured dtype,
+    the number of batch records of a walk checkpoint) and against the bytes
+    really held *before* anything is allocated, so a forged header cannot
+    make the reader allocate more than the data's size. A walk checkpoint's
+    position, records and recoveries are then checked against each other
+    and against the state.
+
+    Parameters
+    ----------
+    data : bytes
+        The ``.npz`` file's content.
+    source : str
+        Where ``data`` came from (a path or URL), named in error messages.
+
+    Raises
+    ------
+    CheckpointError
+        If ``data`` is not an rh-dask checkpoint, of an unsupported version,
+        altered since it was written, or internally inconsistent (shapes,
+        dtypes, counters, an unknown engine name, a walk's records or
+        recoveries that do not fit its position or state).
+    """
+    buffer = io.BytesIO(data)
+    if not zipfile.is_zipfile(buffer):
         # Checked first: np.load would otherwise treat a plain .npy file as an
         # array, and any other file as a pickle it refuses to load.
         raise CheckpointError(
-            f"{path} is not an rh-dask checkpoint: not a readable .npz archive "
+            f"{source} is not an rh-dask checkpoint: not a readable .npz archive "
             "(truncated, corrupted or another format)"
         )
     try:
-        with zipfile.ZipFile(path) as archive:
-            declared = _declared_arrays(path, archive)
-            record = _read_record(path, archive, declared["metadata"])
-            config = _check_declared(path, record, declared)
-        with np.load(path, allow_pickle=False) as npz:
-            arrays = {name: npz[name] for name in _ARRAYS}
+        buffer.seek(0)
+        with zipfile.ZipFile(buffer) as archive:
+            declared = _declared_arrays(source, archive, len(data))
+            record = _read_record(source, archive, declared["metadata"])
+            config = _check_declared(source, record, declared)
+        buffer.seek(0)
+        with np.load(buffer, allow_pickle=False) as npz:
+            arrays = {name: npz[name] for name in declared if name != "metadata"}
     except CheckpointError:
         raise
     except (OSError, ValueError, zipfile.BadZipFile, EOFError) as exc:
-        raise CheckpointError(f"cannot read checkpoint {path}: {exc}") from exc
+        raise CheckpointError(f"cannot read checkpoint {source}: {exc}") from exc
     digest = record.pop("digest", None)
     if digest != _digest(arrays, record):
-        raise CheckpointError(f"{path} failed its integrity check (altered or corrupted)")
+        raise CheckpointError(f"{source} failed its integrity check (altered or corrupted)")
     try:
         counters = record["counters"]
         state = HuberState(
@@ -182,15 +379,213 @@ def load_checkpoint(path: str | os.PathLike[str]) -> Checkpoint:
         engine = record["engine"]
         if engine not in ENGINE_NAMES:
             raise ValidationError(f"unknown engine {engine!r} (rh-dask knows {ENGINE_NAMES})")
+        walk = records = recoveries = None
+        if "walk" in record:
+            walk, records, recoveries = _walk_from(record["walk"], arrays, state)
     except (KeyError, TypeError, ValueError) as exc:
-        raise CheckpointError(f"{path} is inconsistent: {exc}") from exc
+        raise CheckpointError(f"{source} is inconsistent: {exc}") from exc
     return Checkpoint(
         config=config,
         state=state,
         feature_names=names,
         engine=str(engine),
         library_version=str(record.get("library_version", "")),
+        walk=walk,
+        records=records or (),
+        recoveries=recoveries or (),
     )
+
+
+# -- walk checkpoints ------------------------------------------------------------------------
+
+
+def _walk_arrays(records: Sequence[BatchRecord], n_params: int) -> dict[str, np.ndarray]:
+    """The ``history`` and ``coef_history`` members of ``records``."""
+    history = np.empty((len(records), len(HISTORY_FIELDS)), dtype=np.float64)
+    coef_history = np.empty((len(records), n_params), dtype=np.float64)
+    for i, r in enumerate(records):
+        d = r.diagnostics
+        history[i] = (
+            r.batch,
+            r.chunk,
+            r.rows,
+            d.iterations,
+            1.0 if d.converged else 0.0,
+            d.objective,
+            d.lambda_value,
+            d.bandwidth,
+            r.seconds,
+            r.wait_seconds,
+        )
+        coef_history[i] = r.coefficients
+    return {"history": history, "coef_history": coef_history}
+
+
+def _recovery_to_json(r: Recovery) -> dict[str, Any]:
+    """A recovery as JSON; a NaN ``detect_seconds`` (a resume) is written as null."""
+    out = {name: getattr(r, name) for name in _RECOVERY_FIELDS}
+    for name in ("time", "detect_seconds", "recover_seconds"):
+        value = float(out[name])
+        out[name] = None if math.isnan(value) else value
+    for name in ("from_chunk", "chunks_replayed"):
+        out[name] = int(out[name])
+    return out
+
+
+def _recovery_from_json(index: int, raw: Any) -> Recovery:
+    """Rebuild recovery ``index`` of a walk record, checking every field's type."""
+    where = f"recovery {index}"
+    if not isinstance(raw, dict) or sorted(raw) != sorted(_RECOVERY_FIELDS):
+        keys = sorted(raw) if isinstance(raw, dict) else type(raw).__name__
+        raise ValidationError(f"{where} has fields {keys}, expected {sorted(_RECOVERY_FIELDS)}")
+    for name in ("kind", "lost_worker", "new_worker"):
+        if not isinstance(raw[name], str):
+            raise ValidationError(f"{where}: {name} is {raw[name]!r}, not a string")
+    detect = raw["detect_seconds"]
+    return Recovery(
+        time=_number(f"{where}: time", raw["time"]),
+        kind=raw["kind"],
+        lost_worker=raw["lost_worker"],
+        new_worker=raw["new_worker"],
+        from_chunk=_count(f"{where}: from_chunk", raw["from_chunk"]),
+        chunks_replayed=_count(f"{where}: chunks_replayed", raw["chunks_replayed"]),
+        detect_seconds=math.nan if detect is None else _number(f"{where}: detect_seconds", detect),
+        recover_seconds=_number(f"{where}: recover_seconds", raw["recover_seconds"]),
+    )
+
+
+def _records_from(history: np.ndarray, coef_history: np.ndarray) -> tuple[BatchRecord, ...]:
+    """Rebuild the batch records, refusing values an int or bool column cannot hold."""
+    columns = {name: history[:, j] for j, name in enumerate(HISTORY_FIELDS)}
+    for name in _INTEGER_FIELDS:
+        col = columns[name]
+        bad = ~(np.isfinite(col) & (col == np.floor(col)) & (col >= 0) & (col < _MAX_EXACT))
+        if bad.any():
+            row = int(np.flatnonzero(bad)[0])
+            raise ValidationError(
+                f"history row {row}: {name} is {col[row]!r}, not a non-negative integer"
+            )
+    converged = columns["converged"]
+    bad = ~np.isin(converged, (0.0, 1.0))
+    if bad.any():
+        row = int(np.flatnonzero(bad)[0])
+        raise ValidationError(f"history row {row}: converged is {converged[row]!r}, not 0 or 1")
+    return tuple(
+        BatchRecord(
+            batch=int(columns["batch"][i]),
+            chunk=int(columns["chunk"][i]),
+            rows=int(columns["rows"][i]),
+            diagnostics=BatchDiagnostics(
+                iterations=int(columns["iterations"][i]),
+                converged=bool(converged[i] == 1.0),
+                objective=float(columns["objective"][i]),
+                lambda_value=float(columns["lambda_value"][i]),
+                bandwidth=float(columns["bandwidth"][i]),
+            ),
+            seconds=float(columns["seconds"][i]),
+            coefficients=np.array(coef_history[i], dtype=np.float64, copy=True),
+            wait_seconds=float(columns["wait_seconds"][i]),
+        )
+        for i in range(history.shape[0])
+    )
+
+
+def _walk_from(
+    raw: dict[str, Any], arrays: dict[str, np.ndarray], state: HuberState
+) -> tuple[WalkPosition, tuple[BatchRecord, ...], tuple[Recovery, ...]]:
+    """The position, records and recoveries of a walk record, checked."""
+    walk = WalkPosition(
+        next_chunk=raw["next_chunk"],
+        n_chunks=raw["n_chunks"],
+        n_empty=raw["n_empty"],
+        fingerprint=raw["fingerprint"],
+    )
+    entries = raw["recoveries"]
+    if not isinstance(entries, list):
+        raise ValidationError(f"recoveries is {type(entries).__name__}, not a list")
+    recoveries = tuple(_recovery_from_json(i, r) for i, r in enumerate(entries))
+    records = _records_from(arrays["history"], arrays["coef_history"])
+    _check_walk(walk, records, recoveries, state)
+    return walk, records, recoveries
+
+
+def _check_walk(
+    walk: WalkPosition,
+    records: Sequence[BatchRecord],
+    recoveries: Sequence[Recovery],
+    state: HuberState,
+) -> None:
+    """Check a walk's records and recoveries against its position and state.
+
+    Records are in chunk and batch order, each chunk before ``next_chunk``
+    consumed at most once, together no more batches and rows than the state
+    counts; recoveries go on from a chunk no later than ``next_chunk``.
+    """
+    n = len(records)
+    if n > state.batch_count:
+        raise ValidationError(
+            f"{n} batch records but the state counts {state.batch_count} batches"
+        )
+    if n + walk.n_empty > walk.next_chunk:
+        raise ValidationError(
+            f"{n} batch records and {walk.n_empty} empty chunks do not fit before "
+            f"next_chunk {walk.next_chunk}"
+        )
+    p = state.n_params
+    previous_batch = previous_chunk = -1
+    rows = 0
+    for i, r in enumerate(records):
+        if not isinstance(r, BatchRecord):
+            raise ValidationError(f"record {i} is a {type(r).__name__}, not a BatchRecord")
+        where = f"record {i}"
+        batch = _count(f"{where}: batch", r.batch)
+        chunk = _count(f"{where}: chunk", r.chunk)
+        rows += _count(f"{where}: rows", r.rows)
+        _count(f"{where}: iterations", r.diagnostics.iterations)
+        if batch <= previous_batch or batch >= state.batch_count:
+            raise ValidationError(
+                f"{where}: batch {batch} is out of order (after {previous_batch}, "
+                f"the state counts {state.batch_count} batches)"
+            )
+        if chunk <= previous_chunk or chunk >= walk.next_chunk:
+            raise ValidationError(
+                f"{where}: chunk {chunk} is out of order (after {previous_chunk}, "
+                f"next_chunk {walk.next_chunk})"
+            )
+        previous_batch, previous_chunk = batch, chunk
+        _number(f"{where}: seconds", r.seconds, minimum=0.0)
+        _number(f"{where}: wait_seconds", r.wait_seconds, minimum=0.0)
+        _number(f"{where}: lambda_value", r.diagnostics.lambda_value, minimum=0.0)
+        _number(f"{where}: bandwidth", r.diagnostics.bandwidth, minimum=0.0)
+        beta = np.asarray(r.coefficients)
+        if beta.shape != (p,) or not np.all(np.isfinite(beta)):
+            raise ValidationError(
+                f"{where}: coefficients of shape {beta.shape} (finite: "
+                f"{bool(np.all(np.isfinite(beta)))}), expected {p} finite values"
+            )
+    if rows > state.n_samples_seen:
+        raise ValidationError(
+            f"batch records hold {rows} rows but the state has seen {state.n_samples_seen}"
+        )
+    for i, r in enumerate(recoveries):
+        if not isinstance(r, Recovery):
+            raise ValidationError(f"recovery {i} is a {type(r).__name__}, not a Recovery")
+        where = f"recovery {i}"
+        if r.kind not in _RECOVERY_KINDS:
+            raise ValidationError(f"{where}: kind {r.kind!r} is not one of {_RECOVERY_KINDS}")
+        from_chunk = _count(f"{where}: from_chunk", r.from_chunk)
+        if from_chunk > walk.next_chunk:
+            raise ValidationError(
+                f"{where}: from_chunk {from_chunk} is after next_chunk {walk.next_chunk}"
+            )
+        _count(f"{where}: chunks_replayed", r.chunks_replayed)
+        _number(f"{where}: time", r.time)
+        _number(f"{where}: recover_seconds", r.recover_seconds, minimum=0.0)
+        if not math.isnan(float(r.detect_seconds)):
+            _number(f"{where}: detect_seconds", r.detect_seconds, minimum=0.0)
+
+
+# -- reading archive headers -----------------------------------------------------------------
 
 
 @dataclass(frozen=True)
@@ -201,16 +596,18 @@ class _Declared:
     shape: tuple[int, ...]
 
 
-def _declared_arrays(path: Path, archive: zipfile.ZipFile) -> dict[str, _Declared]:
+def _declared_arrays(source: str, archive: zipfile.ZipFile, size: int) -> dict[str, _Declared]:
     """Read every member's ``.npy`` header (not its data) and check it against its size."""
     members = {info.filename: info for info in archive.infolist()}
     found = sorted(name.removesuffix(".npy") for name in members)
-    expected = sorted(["metadata", *_ARRAYS])
+    plain = sorted(["metadata", *_ARRAYS])
+    walk = sorted([*plain, *_WALK_ARRAYS])
+    expected = walk if len(found) == len(walk) else plain
     if found != expected or set(members) != {f"{name}.npy" for name in expected}:
         raise CheckpointError(
-            f"{path} is not an rh-dask checkpoint (arrays {found}, expected {expected})"
+            f"{source} is not an rh-dask checkpoint (arrays {found}, expected {plain}, "
+            f"or {walk} for a walk checkpoint)"
         )
-    size = path.stat().st_size
     declared = {}
     for member, info in members.items():
         name = member.removesuffix(".npy")
@@ -218,7 +615,7 @@ def _declared_arrays(path: Path, archive: zipfile.ZipFile) -> dict[str, _Declare
         room = size if stored else _MAX_INFLATION * min(info.compress_size, size)
         if info.file_size > room:
             raise CheckpointError(
-                f"{path} is inconsistent: {name} claims {info.file_size} bytes, more than "
+                f"{source} is inconsistent: {name} claims {info.file_size} bytes, more than "
                 f"a {size}-byte file can hold"
             )
         with archive.open(info) as fh:
@@ -228,46 +625,46 @@ def _declared_arrays(path: Path, archive: zipfile.ZipFile) -> dict[str, _Declare
             elif version == (2, 0):
                 shape, _, dtype = np.lib.format.read_array_header_2_0(fh)
             else:
-                raise CheckpointError(f"{path}: {name} has .npy format version {version}")
+                raise CheckpointError(f"{source}: {name} has .npy format version {version}")
             offset = fh.tell()
         if dtype.hasobject:
             raise CheckpointError(
-                f"{path} is inconsistent: {name} holds Python objects (pickled data), "
+                f"{source} is inconsistent: {name} holds Python objects (pickled data), "
                 "which rh-dask never loads (allow_pickle=False)"
             )
         nbytes = math.prod(shape) * dtype.itemsize
         if nbytes != info.file_size - offset:
             raise CheckpointError(
-                f"{path} is inconsistent: {name} declares a {dtype} array of shape {shape} "
+                f"{source} is inconsistent: {name} declares a {dtype} array of shape {shape} "
                 f"({nbytes} bytes) but holds {info.file_size - offset} bytes"
             )
         declared[name] = _Declared(dtype, tuple(shape))
     return declared
 
 
-def _read_record(path: Path, archive: zipfile.ZipFile, declared: _Declared) -> dict[str, Any]:
+def _read_record(source: str, archive: zipfile.ZipFile, declared: _Declared) -> dict[str, Any]:
     """The metadata's JSON record, with its format and version checked."""
     if declared.dtype.kind != "U" or declared.shape != ():
-        raise CheckpointError(f"{path}: metadata is not valid JSON (not a string)")
+        raise CheckpointError(f"{source}: metadata is not valid JSON (not a string)")
     with archive.open("metadata.npy") as fh:
         raw = np.lib.format.read_array(fh, allow_pickle=False)
     try:
         record = json.loads(str(raw[()]))
     except (ValueError, TypeError) as exc:
-        raise CheckpointError(f"{path}: metadata is not valid JSON") from exc
+        raise CheckpointError(f"{source}: metadata is not valid JSON") from exc
     if not isinstance(record, dict) or record.get("format") != FORMAT:
-        raise CheckpointError(f"{path} is not an rh-dask checkpoint")
+        raise CheckpointError(f"{source} is not an rh-dask checkpoint")
     version = record.get("format_version")
     if version != FORMAT_VERSION:
         raise CheckpointError(
-            f"{path} has checkpoint format version {version!r}; this rh-dask "
+            f"{source} has checkpoint format version {version!r}; this rh-dask "
             f"({__version__}) reads version {FORMAT_VERSION}"
         )
     return record
 
 
 def _check_declared(
-    path: Path, record: dict[str, Any], declared: dict[str, _Declared]
+    source: str, record: dict[str, Any], declared: dict[str, _Declared]
 ) -> HuberConfig:
     """The record's configuration, once every array's header agrees with the record."""
     try:
@@ -284,25 +681,39 @@ def _check_declared(
             raise ValidationError(f"n_features_in is {d}, need >= 1")
         if not isinstance(has_names, bool):
             raise ValidationError(f"has_feature_names is {has_names!r}, not bool")
+        walk = record.get("walk")
+        if (walk is not None) != ("history" in declared):
+            raise ValidationError(
+                "the walk record and the history members must come together "
+                f"(walk record: {walk is not None}, members: {'history' in declared})"
+            )
+        if walk is not None:
+            if not isinstance(walk, dict):
+                raise ValidationError(f"walk is {type(walk).__name__}, not an object")
+            n_records = _count("walk n_records", walk["n_records"])
     except (KeyError, TypeError, ValueError) as exc:
-        raise CheckpointError(f"{path} is inconsistent: {exc}") from exc
+        raise CheckpointError(f"{source} is inconsistent: {exc}") from exc
     coef_shape, info_shape = HuberState.shapes(d, fit_intercept)
     wanted = {
         "coefficients": (config.np_dtype, coef_shape),
         "information": (config.np_dtype, info_shape),
     }
+    if walk is not None:
+        float64 = np.dtype(np.float64)
+        wanted["history"] = (float64, (n_records, len(HISTORY_FIELDS)))
+        wanted["coef_history"] = (float64, (n_records, coef_shape[0]))
     for name, (dtype, shape) in wanted.items():
         got = declared[name]
         if got.dtype != dtype or got.shape != shape:
             raise CheckpointError(
-                f"{path} is inconsistent: {name} is a {got.dtype} array of shape "
+                f"{source} is inconsistent: {name} is a {got.dtype} array of shape "
                 f"{got.shape}, the metadata says {dtype} of shape {shape}"
             )
     names = declared["feature_names"]
     names_shape = (d,) if has_names else (0,)
     if names.dtype.kind != "U" or names.shape != names_shape:
         raise CheckpointError(
-            f"{path} is inconsistent: feature_names is a {names.dtype} array of shape "
+            f"{source} is inconsistent: feature_names is a {names.dtype} array of shape "
             f"{names.shape}, the metadata says strings of shape {names_shape}"
         )
     return config
