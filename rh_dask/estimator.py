@@ -23,7 +23,7 @@ from .core import linear_predictor
 from .engines import resolve_engine_name
 from .exceptions import NotFittedError, ValidationError
 from .state import BatchDiagnostics, HuberState
-from .stream import HISTORY_COLUMNS, BatchRecord, Stream, history_frame
+from .stream import HISTORY_COLUMNS, BatchRecord, Stream, history_frame, recovery_frame
 from .validation import (
     Batch,
     is_device_array,
@@ -103,6 +103,25 @@ class RenewableHuberRegressor(RegressorMixin, BaseEstimator):
     progress : bool, default=None
         Dask streams only: show a progress bar (chunks/s, rows/s) while
         fitting. ``None`` shows it when stderr is a terminal.
+    checkpoint_every : int, default=None
+        Dask streams only: take a stream checkpoint (the state after a chunk,
+        copied off the engine's worker to the client) after every this many
+        chunks, so that a lost engine worker costs at most these chunks.
+        ``None``: the ``rh-dask.checkpoint.every-chunks`` setting (also
+        checkpointed by time: ``rh-dask.checkpoint.every-seconds``).
+    checkpoint_dir : str or path, default=None
+        Dask streams only: also write every stream checkpoint there (a local
+        directory or an fsspec URL such as ``"s3://bucket/run"``), as
+        ``stream.npz``, atomically, with the input's fingerprint, so that a
+        fit whose client died or was interrupted goes on with
+        ``fit(X, y, resume_from=checkpoint_dir)``. ``None``: checkpoints are
+        only held in memory, for recovery.
+    max_retries : int, default=None
+        Dask streams only: how many times one call may lose the engine's
+        worker and go on from the last stream checkpoint on another worker
+        (waiting up to ``rh-dask.recovery.worker-timeout`` for one). ``None``:
+        the ``rh-dask.recovery.max-retries`` setting; 0: the loss raises
+        :class:`~rh_dask.exceptions.ActorLostError` at once.
 
     Attributes
     ----------
@@ -143,6 +162,14 @@ class RenewableHuberRegressor(RegressorMixin, BaseEstimator):
         :meth:`load` starts with an empty history (zero rows).
     n_empty_chunks_ : int
         Zero-row chunks of Dask streams skipped since the last reset.
+    recoveries_ : pandas.DataFrame
+        One row per time the stream went on after losing its engine's worker
+        (``kind="worker-lost"``) or from a stream checkpoint
+        (``kind="resume"``) since the last reset, with columns ``time``
+        (UTC), ``kind``, ``lost_worker``, ``new_worker``, ``from_chunk`` (the
+        chunk the stream went on from), ``chunks_replayed`` (chunks the lost
+        engine had consumed since that checkpoint, as last reported),
+        ``detect_seconds`` and ``recover_seconds``.
     placement_ : dict or None
         Where the engine ran for the last call that consumed a batch, when
         that call walked a Dask collection on a ``distributed`` cluster: the
@@ -185,6 +212,9 @@ class RenewableHuberRegressor(RegressorMixin, BaseEstimator):
         loader: str = "auto",
         worker: str | None = None,
         progress: bool | None = None,
+        checkpoint_every: int | None = None,
+        checkpoint_dir: str | os.PathLike[str] | None = None,
+        max_retries: int | None = None,
     ) -> None:
         self.tau = tau
         self.penalty = penalty
@@ -201,6 +231,9 @@ class RenewableHuberRegressor(RegressorMixin, BaseEstimator):
         self.loader = loader
         self.worker = worker
         self.progress = progress
+        self.checkpoint_every = checkpoint_every
+        self.checkpoint_dir = checkpoint_dir
+        self.max_retries = max_retries
 
     #: The stream being fitted (see :mod:`rh_dask.stream`); ``None`` until the first batch.
     _stream: Stream | None = None
@@ -238,7 +271,14 @@ class RenewableHuberRegressor(RegressorMixin, BaseEstimator):
         self._stream = None if self._stream is None else self._stream.emptied()
         return self
 
-    def fit(self, X: Any, y: Any, sample_weight: Any | None = None) -> RenewableHuberRegressor:
+    def fit(
+        self,
+        X: Any,
+        y: Any,
+        sample_weight: Any | None = None,
+        *,
+        resume_from: str | os.PathLike[str] | None = None,
+    ) -> RenewableHuberRegressor:
         """Start a new stream with ``X`` (the current one is forgotten once it has begun).
 
         In-memory ``X`` is one batch. A Dask array or DataFrame is walked chunk
@@ -256,11 +296,29 @@ class RenewableHuberRegressor(RegressorMixin, BaseEstimator):
             :class:`~sklearn.exceptions.DataConversionWarning`.
         sample_weight : array-like of shape (n_samples,), default=None
             Frequency weights.
+        resume_from : str or path, default=None
+            Dask streams only: go on from the stream checkpoint in this
+            directory (or fsspec URL; or a ``stream.npz`` file), written by a
+            fit of the same input with ``checkpoint_dir``: the state, history
+            and recoveries it holds are restored and the walk continues from
+            its next chunk, to the coefficients an uninterrupted fit gives. A
+            checkpoint of a finished fit is its result. Later checkpoints go
+            to ``checkpoint_dir``, or back to ``resume_from`` when that is
+            ``None``. Raises :class:`~rh_dask.exceptions.CheckpointError`,
+            with the model unchanged, when there is no stream checkpoint there,
+            it is corrupted, or it was written for another input or with
+            other parameters.
 
         Returns
         -------
         self
         """
+        if resume_from is not None:
+            if not any(_is_dask_collection(a) for a in (X, y, sample_weight)):
+                raise ValidationError(
+                    "resume_from continues a walk over a Dask collection; X is in memory"
+                )
+            return self._resume(X, y, sample_weight, resume_from)
         if any(_is_dask_collection(a) for a in (X, y, sample_weight)):
             return self._fit_collection(X, y, sample_weight, fresh=True)
         config = self._make_config()
@@ -315,6 +373,19 @@ class RenewableHuberRegressor(RegressorMixin, BaseEstimator):
         )
         self._stream = stream
 
+    def _walk_options(self, checkpoint_dir: Any = None) -> Any:
+        from .distributed import WalkOptions
+
+        return WalkOptions.from_params(
+            self.lookahead,
+            self.loader,
+            self.worker,
+            self.progress,
+            self.checkpoint_every,
+            self.checkpoint_dir if checkpoint_dir is None else checkpoint_dir,
+            self.max_retries,
+        )
+
     def _fit_collection(
         self, X: Any, y: Any, sample_weight: Any | None, *, fresh: bool
     ) -> RenewableHuberRegressor:
@@ -324,9 +395,9 @@ class RenewableHuberRegressor(RegressorMixin, BaseEstimator):
         when the walk fails later (the model then holds the state after the
         last good chunk); one that consumed nothing leaves the model as it was.
         """
-        from .distributed import WalkOptions, stream_fit
+        from .distributed import stream_fit
 
-        options = WalkOptions.from_params(self.lookahead, self.loader, self.worker, self.progress)
+        options = self._walk_options()
         config = self._make_config()
         stream = None if fresh else self._continued_stream(config)
         if stream is None:
@@ -338,6 +409,80 @@ class RenewableHuberRegressor(RegressorMixin, BaseEstimator):
         finally:
             if stream.started:
                 self._stream = stream
+        return self
+
+    def _resume(
+        self, X: Any, y: Any, sample_weight: Any | None, location: str | os.PathLike[str]
+    ) -> RenewableHuberRegressor:
+        """``fit(..., resume_from=location)``: the stream checkpoint there, walked on."""
+        import time
+
+        from .checkpoint_store import CheckpointStore
+        from .distributed import stream_fit
+        from .distributed.fit import ResumePoint, check_resume
+        from .exceptions import CheckpointError
+        from .stream import Recovery
+
+        location = os.fspath(location)
+        options = self._walk_options(self.checkpoint_dir or _directory_of(location))
+        config = self._make_config()
+        store = CheckpointStore(location)
+        ckpt = store.read()
+        if ckpt is None:
+            raise CheckpointError(f"no stream checkpoint in {store.location}")
+        if ckpt.walk is None:
+            raise CheckpointError(
+                f"{store.path} is a model checkpoint (save()), not a stream checkpoint of a "
+                "walk: load it with RenewableHuberRegressor.load"
+            )
+        if ckpt.config != config:
+            theirs, ours = ckpt.config.to_dict(), config.to_dict()
+            differ = ", ".join(
+                f"{k}={theirs[k]!r} there, {ours[k]!r} here"
+                for k in ours
+                if theirs.get(k) != ours[k]
+            )
+            raise CheckpointError(
+                f"the stream checkpoint {store.path} was written with other parameters ({differ})"
+            )
+        name = resolve_engine_name(self.engine, self.device)
+        walk = ckpt.walk
+        resumed = Recovery(
+            time=time.time(),
+            kind="resume",
+            lost_worker="",
+            new_worker="",
+            from_chunk=walk.next_chunk,
+            chunks_replayed=0,
+            detect_seconds=float("nan"),
+            recover_seconds=0.0,
+        )
+        stream = Stream.restored(
+            config,
+            name,
+            ckpt.state,
+            ckpt.feature_names,
+            records=ckpt.records,
+            n_empty=walk.n_empty,
+            recoveries=(*ckpt.recoveries, resumed),
+        )
+        point = ResumePoint(walk.next_chunk, walk.fingerprint, store.path)
+        # Refused for another input, the model is as it was; once the checkpoint
+        # is accepted, the model holds the resumed stream, however far it gets.
+        check_resume(X, y, sample_weight, point)
+        try:
+            stream_fit(
+                stream,
+                X,
+                y,
+                sample_weight,
+                options,
+                device=self.device,
+                owner=type(self).__name__,
+                resume=point,
+            )
+        finally:
+            self._stream = stream
         return self
 
     # -- fitted views ------------------------------------------------------------
@@ -417,6 +562,10 @@ class RenewableHuberRegressor(RegressorMixin, BaseEstimator):
     def n_empty_chunks_(self) -> int:
         """Zero-row chunks skipped since the last reset."""
         return self._require_fitted().n_empty
+
+    @property
+    def recoveries_(self) -> pd.DataFrame:
+        return recovery_frame(self._require_fitted().recoveries)
 
     @property
     def placement_(self) -> dict[str, Any] | None:
@@ -533,3 +682,12 @@ class RenewableHuberRegressor(RegressorMixin, BaseEstimator):
         name = resolve_engine_name(model.engine, model.device)
         model._stream = Stream.restored(config, name, ckpt.state, ckpt.feature_names)
         return model
+
+
+def _directory_of(location: str) -> str:
+    """Where a resumed walk writes: the directory itself, or the one holding a ``.npz`` file."""
+    if not location.endswith(".npz"):
+        return location
+    if "://" in location:
+        return location.rsplit("/", 1)[0]
+    return os.path.dirname(os.path.abspath(location))

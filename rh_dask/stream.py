@@ -222,6 +222,7 @@ class Stream:
         self._records: list[BatchRecord] = []
         self._n_empty = 0
         self._placement: dict[str, Any] | None = None
+        self._recoveries: list[Recovery] = []
 
     @classmethod
     def restored(
@@ -230,11 +231,23 @@ class Stream:
         engine_name: str,
         state: HuberState,
         feature_names: np.ndarray | None,
+        *,
+        records: Sequence[BatchRecord] = (),
+        n_empty: int = 0,
+        recoveries: Sequence[Recovery] = (),
     ) -> Stream:
-        """A started stream at ``state``, with no records; its engine starts when it continues."""
+        """A started stream at ``state``; its engine starts when it continues.
+
+        ``records``, ``n_empty`` and ``recoveries`` are what a stream
+        checkpoint kept of the batches that led to ``state`` (a model
+        checkpoint keeps none).
+        """
         stream = cls(config, engine_name)
         stream._pending = state
         stream._start(state.n_features_in, feature_names)
+        stream._records = [replace(r, coefficients=_float64_copy(r.coefficients)) for r in records]
+        stream._n_empty = int(n_empty)
+        stream._recoveries = list(recoveries)
         return stream
 
     def successor(self, config: HuberConfig, engine_name: str) -> Stream:
@@ -288,6 +301,11 @@ class Stream:
     def n_empty(self) -> int:
         """Zero-row chunks skipped."""
         return self._n_empty
+
+    @property
+    def recoveries(self) -> tuple[Recovery, ...]:
+        """Every time the stream went on after a lost engine or from a checkpoint, in order."""
+        return tuple(self._recoveries)
 
     @property
     def placement(self) -> dict[str, Any] | None:
@@ -422,6 +440,10 @@ class Stream:
     def count_empty(self, count: int) -> None:
         """Add ``count`` skipped zero-row chunks."""
         self._n_empty += int(count)
+
+    def add_recoveries(self, recoveries: Sequence[Recovery]) -> None:
+        """Record recoveries of a walk whose state the stream has taken."""
+        self._recoveries.extend(recoveries)
 
     # -- internals ---------------------------------------------------------------------------
     def _start(self, n_features: int, feature_names: np.ndarray | None) -> None:

@@ -101,12 +101,22 @@ class EngineActor:
         self._closed = False
         self._feeder: ChunkFeeder | None = None
 
-    def begin(self, stream_id: str, state: HuberState | None) -> bool:
-        """Start a stream from ``state`` (``None``: the empty state).
+    def begin(
+        self,
+        stream_id: str,
+        state: HuberState | None,
+        start: int = 0,
+        every_chunks: int = 0,
+        every_seconds: float = 0.0,
+    ) -> bool:
+        """Start a stream from ``state`` (``None``: the empty state) at chunk ``start``.
 
-        Returns whether the engine was taken warm from this worker's shelf.
+        ``every_chunks`` and ``every_seconds`` say when the state is copied
+        off the engine for the coordinator's stream checkpoints (see
+        :meth:`OrderedConsumer.begin`). Returns whether the engine was taken
+        warm from this worker's shelf.
         """
-        self._consumer.begin(stream_id, state)
+        self._consumer.begin(stream_id, state, start, every_chunks, every_seconds)
         if self.settings.heap_for_chunks and self._restore_heap is None:
             self._restore_heap = memory.heap_for_chunks()
         return self.reused
@@ -172,17 +182,27 @@ class EngineActor:
         return item if pinned is None else LoadedChunk(item.index, *pinned)
 
     async def progress(
-        self, n_consumed: int, n_records: int, min_new: int, timeout: float
+        self,
+        n_consumed: int,
+        n_records: int,
+        min_new: int,
+        timeout: float,
+        checkpoint_after: int | None = None,
     ) -> Progress:
         """Wait until ``n_consumed + min_new`` chunks are consumed (or failure/end/timeout).
 
-        Runs on the worker's event loop, not on the actor thread, so waiting
-        here never blocks the engine or other calls.
+        With ``checkpoint_after`` (the chunk of the caller's newest stream
+        checkpoint, -1 for none) it also answers as soon as a newer
+        checkpoint exists, and the answer carries it. Runs on the worker's
+        event loop, not on the actor thread, so waiting here never blocks
+        the engine or other calls.
         """
         loop = asyncio.get_running_loop()
         event = asyncio.Event()
         remove = self._consumer.add_waiter(
-            n_consumed + max(min_new, 1), lambda: loop.call_soon_threadsafe(event.set)
+            n_consumed + max(min_new, 1),
+            lambda: loop.call_soon_threadsafe(event.set),
+            checkpoint_after,
         )
         try:
             await asyncio.wait_for(event.wait(), timeout)
@@ -190,7 +210,7 @@ class EngineActor:
             pass
         finally:
             remove()
-        return self._consumer.snapshot(n_records)
+        return self._consumer.snapshot(n_records, checkpoint_after)
 
 
 def _worker_address() -> str | None:

@@ -280,6 +280,9 @@ class ChunkGraph:
         Further arguments of ``func``, the same for every chunk.
     name : str
         Prefix of the item keys ``(name-token, i)``.
+    start : int
+        First chunk to load: a walk going on from a stream checkpoint. Chunks
+        before it are never loaded; indices stay those of the whole collection.
 
     Attributes
     ----------
@@ -294,6 +297,7 @@ class ChunkGraph:
     make_spec: Callable[[int], ChunkSpec]
     extra: tuple[Any, ...] = ()
     name: str = "rh-chunk"
+    start: int = 0
     keys: list[Key] = field(init=False)
     graph: dict[Key, Any] = field(init=False)
 
@@ -301,6 +305,8 @@ class ChunkGraph:
         with stable_partitions():
             graph, part_keys = optimized_graph(self.stream.parts)
         n = self.stream.n_chunks
+        if not 0 <= self.start <= n:
+            raise ValidationError(f"start must be a chunk index in [0, {n}], got {self.start}")
         per_role = {
             role: _chunk_keys(keys, n)
             for role, keys in zip(self.stream.roles, part_keys, strict=True)
@@ -367,6 +373,8 @@ class ChunkGraph:
         shared: set[Key] = set()
         owner: dict[Key, int] = {}
         for i, root in enumerate(self.keys):
+            if i < self.start:
+                continue
             stack = [root]
             while stack:
                 key = stack.pop()
@@ -397,6 +405,10 @@ class ChunkGraph:
         for i, root in enumerate(self.keys):
             mine: list[Key] = []
             refs: set[Key] = set()
+            if i < self.start:
+                self._owned.append(mine)
+                self._refs.append(refs)
+                continue
             seen = {root}
             stack = [root]
             while stack:

@@ -29,6 +29,28 @@ from .items import BadChunk, ChunkItem, EmptyChunk, LoadedChunk
 
 
 @dataclass(frozen=True)
+class StreamSnapshot:
+    """The stream's state after a chunk, copied off the engine on its thread.
+
+    Attributes
+    ----------
+    consumed : int
+        The next chunk to consume from this state (an absolute chunk index).
+    n_empty : int
+        Empty chunks skipped since the stream began on this consumer.
+    n_records : int
+        Records of this consumer's stream that led to this state.
+    state : HuberState
+        A host copy of the state.
+    """
+
+    consumed: int
+    n_empty: int
+    n_records: int
+    state: HuberState
+
+
+@dataclass(frozen=True)
 class Progress:
     """A snapshot of a stream, as the coordinator sees it.
 
@@ -43,12 +65,16 @@ class Progress:
         Empty chunks skipped so far.
     failure : BadChunk or None
         The chunk the stream stopped at, if it did.
+    checkpoint : StreamSnapshot or None
+        The latest stream checkpoint, when it is newer than the one the
+        caller said it has.
     """
 
     consumed: int
     records: list[BatchRecord]
     n_empty: int
     failure: BadChunk | None
+    checkpoint: StreamSnapshot | None = None
 
 
 #: BLAS threads of every engine call of a stream (actor and in-process walk alike).
@@ -101,7 +127,12 @@ class OrderedConsumer:
         self._records: list[BatchRecord] = []
         self._n_empty = 0
         self._failure: BadChunk | None = None
-        self._waiters: list[tuple[int, Callable[[], None]]] = []
+        self._waiters: list[tuple[int, int | None, Callable[[], None]]] = []
+        self._every_chunks = 0
+        self._every_seconds = 0.0
+        self._checkpoint: StreamSnapshot | None = None
+        self._checkpoint_from = 0
+        self._checkpoint_time = 0.0
         self._closed = False
         self._waited = 0.0  # idle time of the engine thread since the last record
         self._thread = threading.Thread(target=self._run, name="rh-dask-engine", daemon=True)
@@ -126,8 +157,21 @@ class OrderedConsumer:
             self._cond.notify_all()
         return future.result()
 
-    def begin(self, stream_id: str, state: HuberState | None) -> None:
-        """Start a stream from ``state`` (``None``: from the empty state)."""
+    def begin(
+        self,
+        stream_id: str,
+        state: HuberState | None,
+        start: int = 0,
+        every_chunks: int = 0,
+        every_seconds: float = 0.0,
+    ) -> None:
+        """Start a stream from ``state`` (``None``: from the empty state) at chunk ``start``.
+
+        After a chunk, the state is copied into a :class:`StreamSnapshot`
+        (see :meth:`snapshot`) once ``every_chunks`` chunks were consumed
+        since the last one, or ``every_seconds`` have passed (0: never by
+        that rule).
+        """
 
         def load() -> None:
             if state is None:
@@ -139,11 +183,16 @@ class OrderedConsumer:
         with self._cond:
             self._stream = stream_id
             self._inbox.clear()
-            self._next = 0
+            self._next = int(start)
             self._records = []
             self._n_empty = 0
             self._failure = None
             self._waited = 0.0
+            self._every_chunks = int(every_chunks)
+            self._every_seconds = float(every_seconds)
+            self._checkpoint = None
+            self._checkpoint_from = int(start)
+            self._checkpoint_time = time.monotonic()
 
     def end(self, stream_id: str, n_records_seen: int = 0) -> tuple[HuberState | None, Progress]:
         """Stop the stream and drop undelivered chunks.
@@ -209,24 +258,38 @@ class OrderedConsumer:
         with self._cond:
             return self._stream == stream_id and self._failure is None and not self._closed
 
-    def snapshot(self, n_records_seen: int = 0) -> Progress:
+    def snapshot(self, n_records_seen: int = 0, checkpoint_after: int | None = None) -> Progress:
+        """Progress since the caller's ``n_records_seen`` records.
+
+        With ``checkpoint_after`` (the ``consumed`` of the newest checkpoint
+        the caller holds, -1 for none), a newer checkpoint comes with it.
+        """
         with self._cond:
+            checkpoint = self._checkpoint
+            if checkpoint_after is None or (
+                checkpoint is not None and checkpoint.consumed <= checkpoint_after
+            ):
+                checkpoint = None
             return Progress(
                 consumed=self._next,
                 records=self._records[n_records_seen:],
                 n_empty=self._n_empty,
                 failure=self._failure,
+                checkpoint=checkpoint,
             )
 
-    def add_waiter(self, target: int, callback: Callable[[], None]) -> Callable[[], None]:
+    def add_waiter(
+        self, target: int, callback: Callable[[], None], checkpoint_after: int | None = None
+    ) -> Callable[[], None]:
         """Call ``callback`` (from any thread) once ``target`` chunks are consumed.
 
-        Also called at a failure or when the stream ends. Returns a function
-        removing the waiter.
+        Also called at a failure, when the stream ends, and (with
+        ``checkpoint_after``) once a checkpoint after that chunk exists.
+        Returns a function removing the waiter.
         """
-        entry = (target, callback)
+        entry = (target, checkpoint_after, callback)
         with self._cond:
-            fire = self._next >= target or self._failure is not None or self._stream is None
+            fire = self._due(target, checkpoint_after)
             if not fire:
                 self._waiters.append(entry)
         if fire:
@@ -239,20 +302,53 @@ class OrderedConsumer:
 
         return remove
 
+    def _due(self, target: int, checkpoint_after: int | None) -> bool:
+        """Whether a waiter for ``target`` is due (call with the lock held)."""
+        if self._next >= target or self._failure is not None or self._stream is None:
+            return True
+        checkpoint = self._checkpoint
+        return (
+            checkpoint_after is not None
+            and checkpoint is not None
+            and checkpoint.consumed > checkpoint_after
+        )
+
     def _notify(self) -> None:
         with self._cond:
-            stop = self._failure is not None or self._stream is None
-            due = [w for w in self._waiters if stop or self._next >= w[0]]
+            due = [w for w in self._waiters if self._due(w[0], w[1])]
             for w in due:
                 self._waiters.remove(w)
-        for _, callback in due:
+        for *_, callback in due:
             callback()
 
     def _wake_all(self) -> None:
         with self._cond:
             due, self._waiters = self._waiters, []
-        for _, callback in due:
+        for *_, callback in due:
             callback()
+
+    def _maybe_checkpoint(self) -> None:
+        """Copy the state into a :class:`StreamSnapshot` when one is due (engine thread).
+
+        The copy is p + p² numbers (a device-to-host copy for the GPU engine),
+        made between two batches; a stream that has consumed no batch has
+        nothing to keep yet.
+        """
+        with self._cond:
+            since = self._next - self._checkpoint_from
+            if since <= 0 or not self.engine.batch_count:
+                return
+            chunks_due = self._every_chunks and since >= self._every_chunks
+            now = time.monotonic()
+            time_due = self._every_seconds and now - self._checkpoint_time >= self._every_seconds
+            if not (chunks_due or time_due):
+                return
+            consumed, n_empty, n_records = self._next, self._n_empty, len(self._records)
+        state = self.engine.export_state()
+        with self._cond:
+            self._checkpoint = StreamSnapshot(consumed, n_empty, n_records, state)
+            self._checkpoint_from = consumed
+            self._checkpoint_time = now
 
     # -- the engine thread ----------------------------------------------------------------
     def _ready(self) -> bool:
@@ -290,6 +386,7 @@ class OrderedConsumer:
                     item = self._inbox.pop(self._next)
                 self._consume(item)
                 item = None  # drop the batch now: look-ahead memory stays bounded
+                self._maybe_checkpoint()
             self._notify()
 
     def _record(self, item: LoadedChunk, diag: Any, seconds: float) -> None:
@@ -389,6 +486,7 @@ class OrderedConsumer:
                     now = time.perf_counter()
                     self._settle_empty(pending)
                     self._record(pending.popleft(), diag, now - start)  # type: ignore[arg-type]
+                    self._maybe_checkpoint()
                     start = now
                     self._notify()
         except Exception:

@@ -17,35 +17,52 @@ Per stream the coordinator (running in the client's process)
 3. long-polls the actor for progress (with tasks, one call per
    ``lookahead // 4`` consumed chunks, and releases consumed chunks' futures,
    so that look-ahead memory stays bounded by ``lookahead`` chunks);
-4. stops at the first chunk that fails (validation, a failing task, the
+4. receives a stream checkpoint (the state after a chunk, copied off the
+   engine on its thread) every ``every_chunks`` chunks or ``every_seconds``,
+   with the poll that follows it, and hands it to ``on_checkpoint``;
+5. when the actor's worker disappears, waits (up to the
+   ``rh-dask.recovery.worker-timeout`` setting) for a worker that may host
+   the engine, starts a new actor there from the last checkpoint and walks on
+   from the chunk after it: at most ``max_retries`` times per walk, then
+   :class:`ActorLostError`, with the checkpoint's state handed back;
+6. stops at the first chunk that fails (validation, a failing task, the
    engine refusing it) with a :class:`~rh_dask.exceptions.StreamError` naming
    it, after taking back the state of the last good chunk; and raises, rather
-   than hangs, when the actor's worker disappears (:class:`ActorLostError`)
-   or the scheduler does (:class:`~rh_dask.exceptions.SchedulerLostError`,
-   within about a second of the client losing its connection).
+   than hangs, when the scheduler disappears
+   (:class:`~rh_dask.exceptions.SchedulerLostError`, within about a second of
+   the client losing its connection).
 
 The engine consumes chunk ``i`` only after chunk ``i - 1``: order is decided
-by the actor's inbox, never by which load finishes first.
+by the actor's inbox, never by which load finishes first. A recovered walk
+consumes the chunks after its checkpoint from the checkpoint's exact state,
+so it ends with the coefficients an uninterrupted walk gives, bit for bit.
 """
 
 from __future__ import annotations
 
 import time
 import uuid
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from dask.highlevelgraph import HighLevelGraph, MaterializedLayer
 from distributed import Future, wait
 
 from ..config import HuberConfig
-from ..exceptions import ActorLostError, SchedulerLostError, StreamError, ValidationError
+from ..exceptions import (
+    ActorLostError,
+    EngineUnavailableError,
+    SchedulerLostError,
+    StreamError,
+    ValidationError,
+)
 from ..settings import Settings
 from ..state import HuberState
-from ..stream import BatchRecord
+from ..stream import BatchRecord, Recovery
 from .actor import EngineActor, deliver_chunk, load_and_deliver
 from .chunks import AlignedStream, ChunkGraph
-from .consumer import Progress
+from .consumer import Progress, StreamSnapshot
 from .graphs import Task, TaskRef
 from .items import BadChunk, chunk_error
 from .loading import assemble_chunk
@@ -59,6 +76,9 @@ _REPLY_GRACE_SECONDS = 5.0
 #: Seconds between liveness checks while waiting for the actor to start. Not a
 #: setting: a check is one scheduler call, and the start-up takes what it takes.
 _START_CHECK_SECONDS = 1.0
+#: Seconds between looks for a worker to host a recovered engine. Not a
+#: setting: how long to look is (``rh-dask.recovery.worker-timeout``).
+_WORKER_CHECK_SECONDS = 0.25
 
 LOADERS = ("auto", "actor", "engine-worker", "cluster")
 
@@ -73,6 +93,28 @@ def feeder_threads(nthreads: int) -> int:
     return max(2, nthreads // 2)
 
 
+@dataclass(frozen=True)
+class WalkCheckpoint:
+    """A stream checkpoint of a walk, as the client holds it.
+
+    Attributes
+    ----------
+    next_chunk : int
+        The chunk the stream goes on from (an index of the whole collection).
+    n_empty : int
+        Empty chunks of this walk before ``next_chunk``.
+    n_records : int
+        How many of the walk's records (``ClusterOutcome.records``) led to
+        ``state``.
+    state : HuberState
+    """
+
+    next_chunk: int
+    n_empty: int
+    n_records: int
+    state: HuberState
+
+
 @dataclass
 class ClusterOutcome:
     """What a distributed walk leaves behind for the estimator.
@@ -81,13 +123,21 @@ class ClusterOutcome:
     ----------
     state : HuberState or None
         Engine state after the last consumed chunk (``None``: no batch was
-        consumed, or the actor was lost and its state with it).
+        consumed, or the actor was lost and no checkpoint was taken). After
+        an unrecovered loss, the last checkpoint's state.
     records : list of BatchRecord
+        The records that led to ``state``.
     n_empty : int
     error : StreamError or None
         Raised by the caller after adopting the state.
     placement : dict
-        Where the engine ran and how chunks were loaded.
+        Where the engine ran (at the end) and how chunks were loaded.
+    next_chunk : int
+        The chunk after those ``state`` holds: where the walk would go on.
+    checkpoint : WalkCheckpoint or None
+        The last stream checkpoint received.
+    recoveries : list of Recovery
+        Every loss of the engine's worker the walk went on after.
     """
 
     state: HuberState | None = None
@@ -95,6 +145,9 @@ class ClusterOutcome:
     n_empty: int = 0
     error: BaseException | None = None
     placement: dict[str, Any] = field(default_factory=dict)
+    next_chunk: int = 0
+    checkpoint: WalkCheckpoint | None = None
+    recoveries: list[Recovery] = field(default_factory=list)
 
 
 def resolve_loader(
@@ -175,15 +228,25 @@ def _alive(client: Any, address: str) -> bool:
 def _lost(address: str, consumed: int | None) -> ActorLostError:
     where = "" if consumed is None else f" after {consumed} chunk(s)"
     return ActorLostError(
-        f"the worker {address} holding the engine actor was lost{where}; the engine's "
-        "state went with it (the model keeps its state from before this call). "
-        "Restart from a checkpoint or refit.",
-        consumed,
+        f"the worker {address} holding the engine actor was lost{where}", consumed
+    )
+
+
+def _kept(checkpoint: WalkCheckpoint | None) -> str:
+    """What the model holds after an unrecovered loss, for the error's message."""
+    if checkpoint is None:
+        return (
+            "No stream checkpoint had been taken: the model keeps its state from before this call."
+        )
+    start = checkpoint.next_chunk
+    return (
+        f"The model holds the state of the last stream checkpoint, after chunk {start - 1}; "
+        f"with a checkpoint_dir, fit(..., resume_from=checkpoint_dir) goes on from chunk {start}."
     )
 
 
 class ClusterWalk:
-    """One distributed stream: actor, look-ahead submissions, progress polling.
+    """One distributed stream: actor, look-ahead submissions, progress polling, recovery.
 
     Parameters
     ----------
@@ -200,7 +263,8 @@ class ClusterWalk:
         Chunks kept loading ahead of the engine.
     loader : {"auto", "engine-worker", "cluster"}
     worker : str or None
-        Explicit worker address for the actor.
+        Explicit worker address for the actor (a recovery then waits for a
+        worker at that address).
     blas_threads : int or None
         BLAS threads for engine calls on the worker.
     progress : StreamProgress
@@ -208,6 +272,16 @@ class ClusterWalk:
         The ``rh-dask`` settings of this walk (default: read from
         :mod:`dask.config` here, on the client, when the walk is built); the
         actor receives them as an argument, so they hold on the worker too.
+    start : int, optional
+        The first chunk to walk (a stream going on from a checkpoint).
+    every_chunks : int, optional
+        Chunks between stream checkpoints (default: the setting).
+    max_retries : int, optional
+        Recoveries from a lost engine worker (default: the setting).
+    on_checkpoint : callable, optional
+        ``on_checkpoint(checkpoint, outcome)``, called on this thread with each
+        :class:`WalkCheckpoint` received (``outcome.records[:checkpoint.n_records]``
+        are its records).
 
     Raises
     ------
@@ -230,6 +304,10 @@ class ClusterWalk:
         blas_threads: int | None,
         progress: StreamProgress,
         settings: Settings | None = None,
+        start: int = 0,
+        every_chunks: int | None = None,
+        max_retries: int | None = None,
+        on_checkpoint: Callable[[WalkCheckpoint, ClusterOutcome], None] | None = None,
     ) -> None:
         self.settings = Settings.from_config() if settings is None else settings
         self.client = client
@@ -243,13 +321,25 @@ class ClusterWalk:
         self.worker = worker
         self.blas_threads = blas_threads
         self.progress = progress
-        self.outcome = ClusterOutcome()
+        self.start = int(start)
+        self.every_chunks = (
+            self.settings.checkpoint_every_chunks if every_chunks is None else int(every_chunks)
+        )
+        self.max_retries = self.settings.max_retries if max_retries is None else int(max_retries)
+        self.on_checkpoint = on_checkpoint
+        self.outcome = ClusterOutcome(next_chunk=self.start)
         self._inflight: dict[int, Future] = {}
         self._shared: dict[Any, Future] = {}
         self._actor_future: Future | None = None
         self._actor: Any = None
         self.scheduler_address = _scheduler_address(client)
-        self._consumed = 0
+        self._consumed = self.start
+        self._stream_id = ""
+        self._mode = ""
+        self._records_base = 0  # records of the walk before this actor's stream began
+        self._empty_base = 0
+        self._bar_at = self.start  # chunks the progress bar has counted
+        self._last_answer = time.monotonic()
 
     # -- setup ---------------------------------------------------------------------------
     def _start_actor(self, host: WorkerInfo) -> None:
@@ -274,11 +364,16 @@ class ClusterWalk:
             except TimeoutError:
                 self._check_scheduler()
                 if not _alive(self.client, host.address):
-                    raise _lost(host.address, 0) from None
+                    raise _lost(host.address, self._consumed) from None
         self._check_scheduler()  # a lost scheduler cancels every future, this one too
-        self._actor = self._actor_future.result()
+        try:
+            self._actor = self._actor_future.result()
+        except Exception as exc:  # the worker died while the engine started
+            if _scheduler_lost(self.client, 1.0) or _alive(self.client, host.address):
+                raise
+            raise _lost(host.address, self._consumed) from exc
 
-    def _make_graph(self, mode: str, stream_id: str) -> ChunkGraph:
+    def _make_graph(self, mode: str, stream_id: str, start: int) -> ChunkGraph:
         accept_device = self.engine == "gpu"
 
         def spec(i: int) -> Any:
@@ -286,10 +381,45 @@ class ClusterWalk:
 
         if mode == "engine-worker":
             return ChunkGraph(
-                self.stream, load_and_deliver, spec, (self._actor.key, stream_id), "rh-load"
+                self.stream,
+                load_and_deliver,
+                spec,
+                (self._actor.key, stream_id),
+                "rh-load",
+                start,
             )
         # "cluster" and "actor": the task's result is the item itself.
-        return ChunkGraph(self.stream, assemble_chunk, spec, (), "rh-load")
+        return ChunkGraph(self.stream, assemble_chunk, spec, (), "rh-load", start)
+
+    def _open(
+        self, host: WorkerInfo, start: int, state: HuberState | None, graph: ChunkGraph | None
+    ) -> ChunkGraph:
+        """Start an actor on ``host`` whose stream begins at chunk ``start`` from ``state``.
+
+        ``graph`` is an ``"actor"``-mode plan from ``start`` already built, if any.
+        Returns the plan the walk submits (or that the actor loads).
+        """
+        self._start_actor(host)
+        self._stream_id = uuid.uuid4().hex
+        self._records_base = len(self.outcome.records)
+        self._empty_base = self.outcome.n_empty
+        every_seconds = self.settings.checkpoint_every_seconds
+        reused = self._actor.begin(
+            self._stream_id, state, start, self.every_chunks, every_seconds
+        ).result()
+        self.outcome.placement.setdefault("engine_reused", bool(reused))
+        self.outcome.placement["worker"] = host.address
+        if self._mode == "actor":
+            if graph is None or graph.start != start:
+                graph = self._make_graph("actor", "", start)
+            threads = feeder_threads(host.nthreads)
+            self._actor.feed(self._stream_id, graph, self.lookahead, threads).result()
+            self._last_answer = time.monotonic()
+            return graph
+        if self._mode == "engine-worker" or graph is None or graph.start != start:
+            graph = self._make_graph(self._mode, self._stream_id, start)
+        self._last_answer = time.monotonic()
+        return graph
 
     # -- submissions -----------------------------------------------------------------
     def _submit(
@@ -372,12 +502,14 @@ class ClusterWalk:
             raise _scheduler_gone(self.scheduler_address, self._consumed)
 
     def _poll(self, consumed: int, n_records: int, min_new: int, address: str) -> Progress:
+        checkpoint = self.outcome.checkpoint
+        after = -1 if checkpoint is None else checkpoint.next_chunk
         while True:
             self._check_scheduler()
             poll = self.settings.poll_interval
-            call = self._actor.progress(consumed, n_records, min_new, poll)
+            call = self._actor.progress(consumed, n_records, min_new, poll, after)
             try:
-                return call.result(timeout=poll + _REPLY_GRACE_SECONDS)
+                snap = call.result(timeout=poll + _REPLY_GRACE_SECONDS)
             except Exception as exc:  # timeout, closed comm, "worker holding Actor was lost"
                 # A broken call may be the scheduler's loss seen first by the
                 # worker (which then closes): give the client a second to see it.
@@ -387,6 +519,9 @@ class ClusterWalk:
                     raise _lost(address, consumed) from exc
                 if not isinstance(exc, (TimeoutError, OSError)):
                     raise
+                continue
+            self._last_answer = time.monotonic()
+            return snap
 
     # -- the walk ----------------------------------------------------------------------
     def run(self) -> ClusterOutcome:
@@ -402,27 +537,28 @@ class ClusterWalk:
         host = choose_worker(workers, self.engine, self.worker)
         graph = None
         if self.loader in ("auto", "actor"):
-            graph = self._make_graph("actor", "")
+            graph = self._make_graph("actor", "", self.start)
         contained = graph is not None and graph.self_contained
-        mode = resolve_loader(self.loader, host, workers, contained)
+        self._mode = resolve_loader(self.loader, host, workers, contained)
         self.outcome.placement = {
             "worker": host.address,
-            "loader": mode,
+            "loader": self._mode,
             "engine": self.engine,
             "lookahead": self.lookahead,
         }
-        stream_id = uuid.uuid4().hex
         lost = False
+        start, state = self.start, self.initial_state
         try:
-            self._start_actor(host)
-            reused = self._actor.begin(stream_id, self.initial_state).result()
-            self.outcome.placement["engine_reused"] = bool(reused)
-            if mode == "actor":
-                threads = feeder_threads(host.nthreads)
-                self._actor.feed(stream_id, graph, self.lookahead, threads).result()
-            elif graph is None or mode == "engine-worker":
-                graph = self._make_graph(mode, stream_id)
-            self._walk(graph, mode, host.address, stream_id)
+            while True:
+                try:
+                    graph = self._open(host, start, state, graph)
+                    if self.outcome.recoveries:
+                        self._recovered()
+                    self._walk(graph, host.address, start)
+                    break
+                except ActorLostError as exc:
+                    host, start, state = self._recover(host, exc)
+                    graph = None
         except StreamError as exc:
             self.outcome.error = exc
             lost = isinstance(exc, (ActorLostError, SchedulerLostError))
@@ -437,14 +573,17 @@ class ClusterWalk:
                 self.outcome.error.__cause__ = exc
             elif not lost:
                 lost = self._actor is not None and not _alive(self.client, host.address)
+                if lost:
+                    self._rewind()
         finally:
             self._release_all()
-            self._finish(stream_id, lost)
+            self._finish(lost)
         return self.outcome
 
-    def _walk(self, graph: ChunkGraph, mode: str, address: str, stream_id: str) -> None:
+    def _walk(self, graph: ChunkGraph, address: str, start: int) -> None:
         n = graph.n_chunks
-        consumed = submitted = 0
+        mode = self._mode
+        consumed = submitted = start
         # Polls gate the next submissions; with loader="actor" the actor loads
         # on its own and a poll only reports progress (one per poll interval).
         step = n if mode == "actor" else max(1, self.lookahead // 4)
@@ -452,7 +591,7 @@ class ClusterWalk:
         while consumed < n:
             refill = 0 if mode == "actor" else min(n, consumed + self.lookahead)
             if refill > submitted:
-                self._submit(graph, range(submitted, refill), mode, address, stream_id)
+                self._submit(graph, range(submitted, refill), mode, address, self._stream_id)
                 submitted = refill
             broken = self._first_broken(consumed)
             if broken == consumed:
@@ -460,19 +599,144 @@ class ClusterWalk:
             want = min(step, n - consumed)
             if broken is not None:
                 want = min(want, broken - consumed)
-            snap = self._poll(consumed, len(records), want, address)
+            snap = self._poll(consumed, len(records) - self._records_base, want, address)
             self._release_through(graph, consumed, snap.consumed)
             records.extend(snap.records)
-            self.progress.update(snap.consumed - consumed, sum(r.rows for r in snap.records))
+            self._count(snap)
             consumed = self._consumed = snap.consumed
-            self.outcome.n_empty = snap.n_empty
+            self.outcome.n_empty = self._empty_base + snap.n_empty
+            self.outcome.next_chunk = consumed
+            if snap.checkpoint is not None:
+                self._take_checkpoint(snap.checkpoint)
             if snap.failure is not None:
                 raise _chunk_failure(snap.failure)
 
-    def _finish(self, stream_id: str, lost: bool) -> None:
+    def _count(self, snap: Progress) -> None:
+        """Move the progress bar over chunks it has not counted (replayed ones were)."""
+        new = snap.consumed - self._bar_at
+        if new > 0:
+            rows = sum(r.rows for r in snap.records if r.chunk >= self._bar_at)
+            self.progress.update(new, rows)
+            self._bar_at = snap.consumed
+
+    def _take_checkpoint(self, snap: StreamSnapshot) -> None:
+        checkpoint = WalkCheckpoint(
+            next_chunk=snap.consumed,
+            n_empty=self._empty_base + snap.n_empty,
+            n_records=self._records_base + snap.n_records,
+            state=snap.state,
+        )
+        self.outcome.checkpoint = checkpoint
+        if self.on_checkpoint is not None:
+            self.on_checkpoint(checkpoint, self.outcome)
+
+    # -- recovery ------------------------------------------------------------------------
+    def _rewind(self) -> tuple[int, HuberState | None]:
+        """Put the outcome back to the last checkpoint (or the walk's start).
+
+        Returns the chunk and state a new engine goes on from.
+        """
+        checkpoint = self.outcome.checkpoint
+        if checkpoint is None:
+            start, state, n_records, n_empty = self.start, self.initial_state, 0, 0
+            self.outcome.state = None
+        else:
+            start, state = checkpoint.next_chunk, checkpoint.state
+            n_records, n_empty = checkpoint.n_records, checkpoint.n_empty
+            self.outcome.state = checkpoint.state
+        del self.outcome.records[n_records:]
+        self.outcome.n_empty = n_empty
+        self.outcome.next_chunk = start
+        return start, state
+
+    def _drop_actor(self) -> None:
+        self._release_all()
+        if self._actor_future is not None:
+            self._actor_future.release()
+        self._actor = self._actor_future = None
+
+    def _recover(
+        self, host: WorkerInfo, exc: ActorLostError
+    ) -> tuple[WorkerInfo, int, HuberState | None]:
+        """After losing ``host``: the new host, and the chunk and state to go on from.
+
+        Raises
+        ------
+        ActorLostError
+            When ``max_retries`` recoveries were made already, or no worker
+            that may host the engine appears within the worker timeout; the
+            outcome then holds the last checkpoint's state.
+        """
+        noticed = time.monotonic()
+        detect = noticed - self._last_answer
+        reached = self._consumed
+        self._drop_actor()
+        start, state = self._rewind()
+        done = len(self.outcome.recoveries)
+        if done >= self.max_retries:
+            raise self._given_up(host.address, reached, start, done) from exc
+        new = self._wait_for_worker(host.address, reached, start)
+        self.outcome.recoveries.append(
+            Recovery(
+                time=time.time(),
+                kind="worker-lost",
+                lost_worker=host.address,
+                new_worker=new.address,
+                from_chunk=start,
+                chunks_replayed=max(0, reached - start),
+                detect_seconds=detect,
+                recover_seconds=-noticed,  # completed by _recovered once the engine is up
+            )
+        )
+        self._consumed = start
+        return new, start, state
+
+    def _recovered(self) -> None:
+        """Complete the last recovery's ``recover_seconds`` once its engine is ready."""
+        last = self.outcome.recoveries[-1]
+        if last.recover_seconds < 0:
+            took = time.monotonic() + last.recover_seconds
+            self.outcome.recoveries[-1] = replace(last, recover_seconds=took)
+
+    def _wait_for_worker(self, lost: str, reached: int, start: int) -> WorkerInfo:
+        """A worker that may host the engine, waiting up to the worker timeout for one."""
+        timeout = self.settings.worker_timeout
+        deadline = time.monotonic() + timeout
+        while True:
+            self._check_scheduler()
+            try:
+                return choose_worker(cluster_workers(self.client), self.engine, self.worker)
+            except EngineUnavailableError as exc:
+                if time.monotonic() >= deadline:
+                    error = ActorLostError(
+                        f"the worker {lost} holding the engine actor was lost after {reached} "
+                        f"chunk(s), and no worker that can host the {self.engine!r} engine "
+                        f"appeared within {timeout:g} s ({exc}; rh-dask.recovery.worker-timeout). "
+                        f"{_kept(self.outcome.checkpoint)}",
+                        start,
+                    )
+                    raise error from None
+            time.sleep(_WORKER_CHECK_SECONDS)
+
+    def _given_up(self, lost: str, reached: int, start: int, done: int) -> ActorLostError:
+        tries = (
+            "recovery is off (max_retries=0)"
+            if self.max_retries == 0
+            else f"it was lost {done + 1} times, more than max_retries={self.max_retries}"
+        )
+        return ActorLostError(
+            f"the worker {lost} holding the engine actor was lost after {reached} chunk(s); "
+            f"{tries}. {_kept(self.outcome.checkpoint)}",
+            start,
+        )
+
+    def _finish(self, lost: bool) -> None:
+        if isinstance(self.outcome.error, SchedulerLostError):
+            self.outcome.state = None  # as its message says: the model keeps its old state
         if self._actor is None:
             if self._actor_future is not None:
                 self._actor_future.release()
+                self._actor_future = None
             return
         if not lost and _scheduler_lost(self.client):
             # Nothing can come back from the engine: report the loss instead of
@@ -483,18 +747,22 @@ class ClusterWalk:
             try:
                 # Chunks consumed after the last poll (an interrupted walk) are in
                 # the state, so their records must come back with it.
-                self.outcome.state, final = self._actor.end(
-                    stream_id, len(self.outcome.records)
-                ).result(timeout=_REPLY_GRACE_SECONDS * 12)
+                seen = len(self.outcome.records) - self._records_base
+                self.outcome.state, final = self._actor.end(self._stream_id, seen).result(
+                    timeout=_REPLY_GRACE_SECONDS * 12
+                )
                 self.outcome.records.extend(final.records)
-                self.outcome.n_empty = final.n_empty
+                self.outcome.n_empty = self._empty_base + final.n_empty
+                self.outcome.next_chunk = final.consumed
                 self._actor.close().result(timeout=_REPLY_GRACE_SECONDS * 12)
             except Exception as exc:  # the worker (or the scheduler) died while we were finishing
-                self.outcome.state = None
+                self._rewind()
                 if _scheduler_lost(self.client, 1.0):
+                    self.outcome.state = None
                     self._report_scheduler_loss(exc)
                 elif self.outcome.error is None:
-                    self.outcome.error = _lost(self.outcome.placement["worker"], None)
+                    worker = self.outcome.placement["worker"]
+                    self.outcome.error = _lost(worker, self.outcome.next_chunk)
                     self.outcome.error.__cause__ = exc
         self._actor = None
         self._actor_future.release()

@@ -113,10 +113,10 @@ class ChunkFeeder:
 
     def _run(self) -> None:
         shared = SharedKeys(self._graph)
-        released = 0
+        released = self._graph.start
         stopped = False
         try:
-            for i in range(self._graph.n_chunks):
+            for i in range(self._graph.start, self._graph.n_chunks):
                 if not self._wait_window(i):
                     stopped = True
                     return

@@ -8,11 +8,21 @@ without a client, in this process with the stream's own engine
 (:mod:`.local`). Both give the state a loop of ``partial_fit`` over the same
 chunks would give. Nothing here knows the estimator: it hands over the
 stream, the validated walk parameters (:class:`WalkOptions`) and the device.
+
+With a ``checkpoint_dir``, both walks write stream checkpoints there
+(:class:`CheckpointWriter`): the state after a chunk, the records that led
+to it, the next chunk and the input's fingerprint, so that a walk stopped
+in any way (a lost client, Ctrl-C) goes on from there with ``resume``
+(:class:`ResumePoint`).
 """
 
 from __future__ import annotations
 
 import math
+import os
+import time
+import warnings
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,7 +31,9 @@ import dask.dataframe as dd
 import numpy as np
 
 from ..exceptions import ValidationError
-from ..stream import Stream
+from ..settings import Settings
+from ..state import HuberState
+from ..stream import BatchRecord, Recovery, Stream
 from ..validation import (
     check_feature_names,
     check_n_features,
@@ -30,7 +42,7 @@ from ..validation import (
 )
 from .chunks import AlignedStream, ChunkGraph, align_stream
 from .consumer import STREAM_BLAS_THREADS, blas_limiter
-from .coordinator import LOADERS, ClusterWalk
+from .coordinator import LOADERS, ClusterOutcome, ClusterWalk, WalkCheckpoint
 from .items import BadChunk, ChunkItem, EmptyChunk, chunk_error
 from .loading import assemble_chunk
 from .local import run_local
@@ -51,16 +63,34 @@ class WalkOptions:
         Address of the worker for the engine actor (``None``: chosen).
     progress : bool
         Whether a progress bar is shown.
+    checkpoint_every : int or None
+        Chunks between stream checkpoints (``None``: the
+        ``rh-dask.checkpoint.every-chunks`` setting).
+    checkpoint_dir : str or None
+        Where stream checkpoints are written (a path or an fsspec URL), if anywhere.
+    max_retries : int or None
+        Recoveries from a lost engine worker (``None``: the
+        ``rh-dask.recovery.max-retries`` setting).
     """
 
     lookahead: int
     loader: str
     worker: str | None
     progress: bool
+    checkpoint_every: int | None = None
+    checkpoint_dir: str | None = None
+    max_retries: int | None = None
 
     @classmethod
     def from_params(
-        cls, lookahead: Any = 8, loader: Any = "auto", worker: Any = None, progress: Any = None
+        cls,
+        lookahead: Any = 8,
+        loader: Any = "auto",
+        worker: Any = None,
+        progress: Any = None,
+        checkpoint_every: Any = None,
+        checkpoint_dir: Any = None,
+        max_retries: Any = None,
     ) -> WalkOptions:
         """Check the estimator's parameters; raise :class:`ValidationError` naming the bad one.
 
@@ -76,7 +106,159 @@ class WalkOptions:
             raise ValidationError(f"loader must be one of {LOADERS}, got {loader!r}")
         if worker is not None and not isinstance(worker, str):
             raise ValidationError(f"worker must be a worker address (str), got {worker!r}")
-        return cls(int(lookahead), loader, worker, progress_enabled(progress))
+        if checkpoint_every is not None and not _whole(checkpoint_every, 1):
+            raise ValidationError(
+                f"checkpoint_every must be an integer >= 1 or None, got {checkpoint_every!r}"
+            )
+        if max_retries is not None and not _whole(max_retries, 0):
+            raise ValidationError(
+                f"max_retries must be an integer >= 0 or None, got {max_retries!r}"
+            )
+        if checkpoint_dir is not None:
+            if not isinstance(checkpoint_dir, (str, os.PathLike)) or not os.fspath(checkpoint_dir):
+                raise ValidationError(
+                    "checkpoint_dir must be a directory path or an fsspec URL, "
+                    f"got {checkpoint_dir!r}"
+                )
+            checkpoint_dir = os.fspath(checkpoint_dir)
+        return cls(
+            int(lookahead),
+            loader,
+            worker,
+            progress_enabled(progress),
+            None if checkpoint_every is None else int(checkpoint_every),
+            checkpoint_dir,
+            None if max_retries is None else int(max_retries),
+        )
+
+
+def _whole(value: Any, least: int) -> bool:
+    """Whether ``value`` is an integer (not a bool) >= ``least``."""
+    return (
+        isinstance(value, (int, np.integer))
+        and not isinstance(value, (bool, np.bool_))
+        and value >= least
+    )
+
+
+@dataclass(frozen=True)
+class ResumePoint:
+    """Where a walk goes on from: a stream checkpoint's position and input fingerprint.
+
+    Attributes
+    ----------
+    next_chunk : int
+    fingerprint : dict
+        :func:`~.fingerprint.fingerprint` of the input the checkpoint was written for.
+    source : str
+        Where the checkpoint was read, for messages.
+    """
+
+    next_chunk: int
+    fingerprint: dict[str, Any]
+    source: str
+
+
+class CheckpointWriter:
+    """Writes a walk's stream checkpoints to a :class:`~rh_dask.checkpoint_store.CheckpointStore`.
+
+    Parameters
+    ----------
+    store : CheckpointStore or None
+        ``None``: nothing is written (the cluster walk still keeps its
+        checkpoints in memory for recovery).
+    stream : Stream
+        The stream being walked, before the walk: its records, skipped chunks
+        and recoveries come first in every checkpoint.
+    fingerprint : dict or None
+    n_chunks : int
+    feature_names : ndarray or None
+        The walk's feature names (those of an unstarted stream are set by it).
+    every_chunks, every_seconds
+        When the local walk writes (the cluster walk writes every checkpoint
+        its engine sends).
+    """
+
+    def __init__(
+        self,
+        store: Any,
+        stream: Stream,
+        fingerprint: dict[str, Any] | None,
+        n_chunks: int,
+        feature_names: np.ndarray | None,
+        every_chunks: int,
+        every_seconds: float,
+    ) -> None:
+        self.store = store
+        self._stream = stream
+        self._records = stream.records
+        self._n_empty = stream.n_empty
+        self._recoveries = stream.recoveries
+        self._fingerprint = fingerprint
+        self._n_chunks = n_chunks
+        self._names = stream.feature_names if stream.started else feature_names
+        self.every_chunks = every_chunks
+        self.every_seconds = every_seconds
+        self.written = -1  # next_chunk of the last checkpoint written
+        self._last_time = time.monotonic()
+        self._last_chunk = -1
+
+    def due(self, next_chunk: int) -> bool:
+        """Whether the local walk should write at ``next_chunk`` (chunks or time)."""
+        if self.store is None:
+            return False
+        if self._last_chunk < 0:
+            self._last_chunk = next_chunk - 1
+        if next_chunk - self._last_chunk >= self.every_chunks:
+            return True
+        return bool(self.every_seconds) and (
+            time.monotonic() - self._last_time >= self.every_seconds
+        )
+
+    def write(
+        self,
+        next_chunk: int,
+        n_empty: int,
+        state: HuberState,
+        records: Sequence[BatchRecord],
+        recoveries: Sequence[Recovery] = (),
+    ) -> None:
+        """Write the checkpoint at ``next_chunk``; a failed write warns and keeps the last one.
+
+        ``n_empty``, ``records`` and ``recoveries`` are the walk's own: the
+        stream's from before the walk are added here.
+        """
+        self._last_chunk = next_chunk
+        self._last_time = time.monotonic()
+        if self.store is None or next_chunk <= self.written:
+            return
+        from ..checkpoint import Checkpoint, WalkPosition
+
+        checkpoint = Checkpoint(
+            config=self._stream.config,
+            state=state,
+            feature_names=self._names,
+            engine=self._stream.engine_name,
+            walk=WalkPosition(
+                next_chunk=next_chunk,
+                n_chunks=self._n_chunks,
+                n_empty=self._n_empty + n_empty,
+                fingerprint=self._fingerprint or {},
+            ),
+            records=(*self._records, *records),
+            recoveries=(*self._recoveries, *recoveries),
+        )
+        try:
+            self.store.write(checkpoint)
+        except Exception as exc:  # a full disk, a lost mount: the walk goes on
+            warnings.warn(
+                f"stream checkpoint at chunk {next_chunk} not written to {self.store.path} "
+                f"({type(exc).__name__}: {exc}); the last one written stays",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+            return
+        self.written = next_chunk
 
 
 def current_client() -> Any | None:
@@ -151,6 +333,7 @@ def stream_fit(
     *,
     device: Any = None,
     owner: str = "RenewableHuberRegressor",
+    resume: ResumePoint | None = None,
 ) -> int:
     """Walk every chunk of ``X`` (Dask array or DataFrame), in order, into ``stream``.
 
@@ -168,6 +351,10 @@ def stream_fit(
         Device argument of an engine started for the stream.
     owner : str, optional
         The estimator's name, for error messages.
+    resume : ResumePoint, optional
+        Go on from a stream checkpoint: ``stream`` holds its state, and the
+        walk starts at its next chunk once the input's fingerprint is the
+        checkpoint's.
 
     Returns
     -------
@@ -179,6 +366,8 @@ def stream_fit(
     ValidationError
         When the inputs do not fit together or the stream, or every chunk of
         an unstarted stream is empty (the stream unchanged).
+    CheckpointError
+        When ``resume`` was written for another input (the stream unchanged).
     StreamError
         When a chunk fails mid-stream (``chunk_index`` says which); the stream
         then holds the state after the last good chunk and can continue (an
@@ -186,7 +375,9 @@ def stream_fit(
         :class:`~rh_dask.exceptions.BadChunkError`, a ``ValidationError`` too,
         when the chunk's data was refused;
         :class:`~rh_dask.exceptions.ActorLostError` when the engine's worker
-        died (the stream keeps its state from before the call).
+        died more often than ``max_retries`` allows, or no worker could take
+        over (the stream then holds the last stream checkpoint's state, and
+        ``chunk_index`` is the chunk after it).
     """
     # Every up-front check runs before the stream changes in any way.
     continuing = stream.started
@@ -196,17 +387,59 @@ def stream_fit(
         check_n_features(aligned.n_features, stream.n_features, owner)
         # Called from here, so that a warning's stacklevel reaches the estimator's method.
         check_feature_names(_names(aligned), stream.feature_names, fitted=True, owner=owner)
+    found = None
+    if resume is not None or options.checkpoint_dir is not None:
+        from .fingerprint import check_fingerprint, fingerprint
+
+        found = fingerprint(aligned)
+    start = 0
+    if resume is not None:
+        check_fingerprint(resume.fingerprint, found, resume.source)
+        start = resume.next_chunk
+    writer = _writer(stream, aligned, options, found)
     client = current_client()
-    with StreamProgress(aligned.n_chunks, options.progress) as bar:
+    with StreamProgress(aligned.n_chunks, options.progress, start) as bar:
         if client is None:
-            n_batches = _fit_local(stream, aligned, device, options, bar)
+            n_batches = _fit_local(stream, aligned, device, options, bar, start, writer)
         else:
-            n_batches = _fit_cluster(stream, client, aligned, device, options, bar)
+            n_batches = _fit_cluster(stream, client, aligned, device, options, bar, start, writer)
     if n_batches == 0 and not continuing:
         raise ValidationError(
             f"every one of the {aligned.n_chunks} chunks is empty: there is nothing to fit"
         )
     return n_batches
+
+
+def check_resume(X: Any, y: Any, sample_weight: Any | None, resume: ResumePoint) -> None:
+    """Refuse, with :class:`~rh_dask.exceptions.CheckpointError`, a checkpoint of another input."""
+    from .fingerprint import check_fingerprint, fingerprint
+
+    aligned = align_stream(X, column_vector_target(y), sample_weight)
+    check_fingerprint(resume.fingerprint, fingerprint(aligned), resume.source)
+
+
+def _writer(
+    stream: Stream,
+    aligned: AlignedStream,
+    options: WalkOptions,
+    found: dict[str, Any] | None,
+) -> CheckpointWriter:
+    settings = Settings.from_config()
+    store = None
+    if options.checkpoint_dir is not None:
+        from ..checkpoint_store import CheckpointStore
+
+        store = CheckpointStore(options.checkpoint_dir)
+    every = options.checkpoint_every or settings.checkpoint_every_chunks
+    return CheckpointWriter(
+        store,
+        stream,
+        found,
+        aligned.n_chunks,
+        _names(aligned),
+        every,
+        settings.checkpoint_every_seconds,
+    )
 
 
 def _names(aligned: AlignedStream) -> np.ndarray | None:
@@ -219,22 +452,43 @@ def _fit_local(
     device: Any,
     options: WalkOptions,
     bar: StreamProgress,
+    start: int,
+    writer: CheckpointWriter,
 ) -> int:
     """The single-process walk: the stream's own engine, chunks computed here.
 
     Returns the number of batches consumed. Empty chunks are counted into the
     stream only with a consumed batch, or at the end of a clean walk that
     continued it: a call that consumed nothing and raised changes nothing.
+    With a checkpoint directory, a stream checkpoint is written when one is
+    due and when the walk stops, however it stops.
     """
     accept_device = stream.engine_name == "gpu"
     dtype = stream.config.dtype
-    graph = ChunkGraph(aligned, assemble_chunk, lambda i: aligned.spec(i, dtype, accept_device))
-    counts = {"batches": 0, "empty": 0}
+    graph = ChunkGraph(
+        aligned,
+        assemble_chunk,
+        lambda i: aligned.spec(i, dtype, accept_device),
+        start=start,
+    )
+    counts = {"batches": 0, "empty": 0, "next": start}
     names = _names(aligned)
     limit = blas_limiter(STREAM_BLAS_THREADS)
     continuing = stream.started
+    n_prior = len(stream.records)
+
+    def checkpoint() -> None:
+        if stream.started and writer.store is not None:
+            records = stream.records[n_prior:]
+            writer.write(counts["next"], counts["empty"], stream.state(), records)
 
     def consume(item: ChunkItem, waited: float) -> None:
+        consume_one(item, waited)
+        counts["next"] = item.index + 1
+        if writer.due(counts["next"]):
+            checkpoint()
+
+    def consume_one(item: ChunkItem, waited: float) -> None:
         if isinstance(item, EmptyChunk):
             counts["empty"] += 1
             bar.update(1, 0)
@@ -261,9 +515,11 @@ def _fit_local(
     try:
         run_local(graph, options.lookahead, consume)
     except BaseException:
+        checkpoint()
         if counts["batches"] and counts["empty"]:
             stream.count_empty(counts["empty"])
         raise
+    checkpoint()
     if counts["empty"] and (counts["batches"] or continuing):
         stream.count_empty(counts["empty"])
     return counts["batches"]
@@ -276,13 +532,28 @@ def _fit_cluster(
     device: Any,
     options: WalkOptions,
     bar: StreamProgress,
+    start: int,
+    writer: CheckpointWriter,
 ) -> int:
     """The distributed walk; the stream adopts the remote state even when the walk failed.
 
     Returns the number of batches consumed; empty chunks are counted as in
-    :func:`_fit_local`.
+    :func:`_fit_local`. Every stream checkpoint the engine sends is written
+    (with a checkpoint directory), and one more at the end when the state
+    moved since.
     """
     continuing = stream.started
+
+    def on_checkpoint(checkpoint: WalkCheckpoint, outcome: ClusterOutcome) -> None:
+        records = outcome.records[: checkpoint.n_records]
+        writer.write(
+            checkpoint.next_chunk,
+            checkpoint.n_empty,
+            checkpoint.state,
+            records,
+            outcome.recoveries,
+        )
+
     walk = ClusterWalk(
         client,
         aligned,
@@ -295,8 +566,18 @@ def _fit_cluster(
         worker=options.worker,
         blas_threads=STREAM_BLAS_THREADS,
         progress=bar,
+        start=start,
+        every_chunks=options.checkpoint_every,
+        max_retries=options.max_retries,
+        on_checkpoint=on_checkpoint,
     )
-    outcome = walk.run()
+    try:
+        outcome = walk.run()
+    finally:
+        # An interrupt while the walk winds down still leaves its last state on disk.
+        done = walk.outcome
+        if done.state is not None and (continuing or done.records):
+            writer.write(done.next_chunk, done.n_empty, done.state, done.records, done.recoveries)
     adopted = outcome.state is not None and bool(outcome.records)
     if adopted:
         stream.adopt(
@@ -305,6 +586,7 @@ def _fit_cluster(
             feature_names=_names(aligned),
             placement=outcome.placement,
         )
+        stream.add_recoveries(outcome.recoveries)
     if outcome.n_empty and (adopted or (continuing and outcome.error is None)):
         stream.count_empty(outcome.n_empty)
     if outcome.error is not None:

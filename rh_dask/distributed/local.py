@@ -75,7 +75,7 @@ class SharedKeys:
 
 
 def iter_local(graph: ChunkGraph, lookahead: int) -> Iterator[ChunkItem]:
-    """Yield every chunk's item in index order, loading ahead on threads.
+    """Yield every chunk's item from ``graph.start`` on, in index order, loading ahead on threads.
 
     Raises
     ------
@@ -90,9 +90,9 @@ def iter_local(graph: ChunkGraph, lookahead: int) -> Iterator[ChunkItem]:
     jobs: dict[int, Future[Any]] = {}
     shared = SharedKeys(graph)
     load = functools.partial(load_chunk, graph)
-    submitted = 0
+    submitted = graph.start
     try:
-        for i in range(n):
+        for i in range(graph.start, n):
             while submitted < n and submitted <= i + lookahead - 1:
                 jobs[submitted] = shared.submit(pool, load, submitted)
                 submitted += 1
