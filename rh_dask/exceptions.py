@@ -12,6 +12,7 @@ __all__ = [
     "ActorLostError",
     "BadChunkError",
     "CheckpointError",
+    "DetachedFitError",
     "EngineUnavailableError",
     "InputTypeError",
     "NotFittedError",
@@ -110,4 +111,15 @@ class BadChunkError(StreamError, ValidationError):
     ``ValueError`` just like bad data in memory. A chunk whose loading failed
     for another reason (an I/O error in its task) raises a plain
     :class:`StreamError`.
+    """
+
+
+class DetachedFitError(RhDaskError, LookupError):
+    """A detached fit cannot be started, found or collected.
+
+    Raised when no fit is published under the name given to
+    :meth:`rh_dask.distributed.DetachedFit.attach` (or it was forgotten),
+    when there is no ``distributed`` client to reach the cluster, and by
+    ``result()`` of a fit that was cancelled. A fit that failed raises its own
+    error instead. Also a :class:`LookupError`.
     """
