@@ -463,13 +463,15 @@ def _records_from(history: np.ndarray, coef_history: np.ndarray) -> tuple[BatchR
         if bad.any():
             row = int(np.flatnonzero(bad)[0])
             raise ValidationError(
-                f"history row {row}: {name} is {col[row]!r}, not a non-negative integer"
+                f"history row {row}: {name} is {float(col[row])!r}, not a non-negative integer"
             )
     converged = columns["converged"]
     bad = ~np.isin(converged, (0.0, 1.0))
     if bad.any():
         row = int(np.flatnonzero(bad)[0])
-        raise ValidationError(f"history row {row}: converged is {converged[row]!r}, not 0 or 1")
+        raise ValidationError(
+            f"history row {row}: converged is {float(converged[row])!r}, not 0 or 1"
+        )
     return tuple(
         BatchRecord(
             batch=int(columns["batch"][i]),
