@@ -806,14 +806,19 @@ def test_losing_the_actor_worker_raises_not_hangs(loader, snapshot, assert_uncha
     ):
         victim = sorted(_workers(c))[0]
         Xd = da.from_array(X, chunks=(500, 5)).map_blocks(_die_on_chunk_3, dtype=X.dtype)
-        model = RenewableHuberRegressor(worker=victim, loader=loader, lookahead=2, progress=False)
+        # No recovery: the loss itself must raise, promptly (tests/test_faults.py recovers).
+        model = RenewableHuberRegressor(
+            worker=victim, loader=loader, lookahead=2, progress=False, max_retries=0
+        )
         start = time.perf_counter()
         with pytest.raises(ActorLostError, match="lost"):
             model.fit(Xd, da.from_array(y, 500))
         assert time.perf_counter() - start < 60
         assert not hasattr(model, "n_features_in_")
     # A fitted model keeps its state from before the call, as the error says.
-    fitted = RenewableHuberRegressor(loader=loader, lookahead=2, progress=False).fit(X, y)
+    fitted = RenewableHuberRegressor(
+        loader=loader, lookahead=2, progress=False, max_retries=0
+    ).fit(X, y)
     before = snapshot(fitted)
     with (
         LocalCluster(
