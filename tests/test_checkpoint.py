@@ -495,3 +495,40 @@ def test_saving_into_a_read_only_directory_fails_cleanly(saved, tmp_path):
         assert list(locked.iterdir()) == []
     finally:
         locked.chmod(0o700)
+
+
+# -- the version 1 layout of a model checkpoint -----------------------------------------------
+
+
+def test_a_model_checkpoint_has_only_the_version_1_entries(saved, tmp_path):
+    import zipfile
+
+    from rh_dask.checkpoint import checkpoint_bytes, checkpoint_from_bytes
+
+    path, model = saved
+    with zipfile.ZipFile(path) as archive:
+        members = {name: archive.read(name) for name in archive.namelist()}
+    assert sorted(members) == [
+        "coefficients.npy",
+        "feature_names.npy",
+        "information.npy",
+        "metadata.npy",
+    ]
+    record = json.loads(str(np.load(io.BytesIO(members["metadata.npy"]))[()]))
+    assert sorted(record) == [
+        "config",
+        "counters",
+        "digest",
+        "engine",
+        "format",
+        "format_version",
+        "has_feature_names",
+        "library_version",
+    ]
+    # The bytes API reads the file as load_checkpoint does, and writes the same entries.
+    ckpt = checkpoint_from_bytes(path.read_bytes(), str(path))
+    assert ckpt.walk is None and ckpt.records == () and ckpt.recoveries == ()
+    assert ckpt.state.equals(load_checkpoint(path).state) and ckpt.state.equals(model.state_)
+    with zipfile.ZipFile(io.BytesIO(checkpoint_bytes(ckpt))) as archive:
+        again = {name: archive.read(name) for name in archive.namelist()}
+    assert again == members
