@@ -391,6 +391,15 @@ class ClusterWalk:
         # "cluster" and "actor": the task's result is the item itself.
         return ChunkGraph(self.stream, assemble_chunk, spec, (), "rh-load", start)
 
+    def _answer(self, call: Any, address: str, timeout: float | None = None) -> Any:
+        """The result of an actor call; :class:`ActorLostError` when its worker died."""
+        try:
+            return call.result(timeout=timeout)
+        except Exception as exc:
+            if _scheduler_lost(self.client, 1.0) or _alive(self.client, address):
+                raise
+            raise _lost(address, self._consumed) from exc
+
     def _open(
         self, host: WorkerInfo, start: int, state: HuberState | None, graph: ChunkGraph | None
     ) -> ChunkGraph:
@@ -404,16 +413,16 @@ class ClusterWalk:
         self._records_base = len(self.outcome.records)
         self._empty_base = self.outcome.n_empty
         every_seconds = self.settings.checkpoint_every_seconds
-        reused = self._actor.begin(
-            self._stream_id, state, start, self.every_chunks, every_seconds
-        ).result()
+        begin = self._actor.begin(self._stream_id, state, start, self.every_chunks, every_seconds)
+        reused = self._answer(begin, host.address)
         self.outcome.placement.setdefault("engine_reused", bool(reused))
         self.outcome.placement["worker"] = host.address
         if self._mode == "actor":
             if graph is None or graph.start != start:
                 graph = self._make_graph("actor", "", start)
             threads = feeder_threads(host.nthreads)
-            self._actor.feed(self._stream_id, graph, self.lookahead, threads).result()
+            feed = self._actor.feed(self._stream_id, graph, self.lookahead, threads)
+            self._answer(feed, host.address)
             self._last_answer = time.monotonic()
             return graph
         if self._mode == "engine-worker" or graph is None or graph.start != start:
@@ -486,7 +495,8 @@ class ClusterWalk:
         broken = [
             i
             for i, f in self._inflight.items()
-            if i >= consumed and f.status in ("error", "cancelled", "lost")
+            # "lost" is not broken: Dask recomputes a chunk whose loading worker died.
+            if i >= consumed and f.status in ("error", "cancelled")
         ]
         return min(broken) if broken else None
 
@@ -555,6 +565,7 @@ class ClusterWalk:
                     if self.outcome.recoveries:
                         self._recovered()
                     self._walk(graph, host.address, start)
+                    self._end(host.address)
                     break
                 except ActorLostError as exc:
                     host, start, state = self._recover(host, exc)
@@ -610,6 +621,27 @@ class ClusterWalk:
                 self._take_checkpoint(snap.checkpoint)
             if snap.failure is not None:
                 raise _chunk_failure(snap.failure)
+
+    def _end(self, address: str) -> None:
+        """End the walked stream: its final state and records, then the actor's close.
+
+        A loss of the worker here is recovered like one during the walk.
+        """
+        seen = len(self.outcome.records) - self._records_base
+        timeout = _REPLY_GRACE_SECONDS * 12
+        state, final = self._answer(self._actor.end(self._stream_id, seen), address, timeout)
+        self.outcome.state = state
+        self.outcome.records.extend(final.records)
+        self.outcome.n_empty = self._empty_base + final.n_empty
+        self.outcome.next_chunk = final.consumed
+        try:
+            self._actor.close().result(timeout=timeout)
+        except Exception:  # the state is back: a worker dying now costs nothing
+            pass
+        self._actor = None
+        if self._actor_future is not None:
+            self._actor_future.release()
+            self._actor_future = None
 
     def _count(self, snap: Progress) -> None:
         """Move the progress bar over chunks it has not counted (replayed ones were)."""
