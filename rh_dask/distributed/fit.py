@@ -250,6 +250,8 @@ class CheckpointWriter:
         )
         try:
             self.store.write(checkpoint)
+        except ValidationError:  # records the format refuses: a bug, never hidden
+            raise
         except Exception as exc:  # a full disk, a lost mount: the walk goes on
             warnings.warn(
                 f"stream checkpoint at chunk {next_chunk} not written to {self.store.path} "
