@@ -10,6 +10,7 @@ worker. The disconnect test submits from a subprocess that exits as soon as
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -276,3 +277,41 @@ def test_without_a_client_there_is_no_detached_fit():
         )
     with pytest.raises(DetachedFitError, match="no client"):
         DetachedFit.attach("anything")
+
+
+def _processing(client, key: str) -> str | None:
+    """The worker running the task ``key`` now, if any."""
+    for address, keys in client.processing().items():
+        if key in keys:
+            return address
+    return None
+
+
+@pytest.mark.slow
+def test_a_task_run_again_after_its_worker_died_resumes_from_the_checkpoint_dir(client, tmp_path):
+    # Last in the module: it kills a worker (its nanny starts a new one).
+    X, y = _data()
+    estimator = RenewableHuberRegressor(
+        progress=False, checkpoint_dir=str(tmp_path / "ckpt"), checkpoint_every=1, lookahead=2
+    )
+    fit = submit_fit(
+        estimator, _slow(X, 0.3), da.from_array(y, chunks=CHUNK), name="rerun", client=client
+    )
+    try:
+        deadline = time.monotonic() + 30
+        while fit.progress()["chunks_done"] < 4 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert fit.status() == "running"
+        coordinator = _processing(client, fit._future.key)
+        assert coordinator is not None
+        pid = client.run(os.getpid, workers=[coordinator])[coordinator]
+        os.kill(pid, signal.SIGKILL)
+        model = fit.result(timeout=60)
+        assert fit.progress()["attempt"] == 2
+        _assert_same_fit(model, _reference(X, y, client))
+        resumed = model.recoveries_[model.recoveries_["kind"] == "resume"]
+        assert len(resumed) == 1
+        assert resumed["from_chunk"].iloc[0] >= 3  # chunks before it were not walked again
+        assert len(model.history_) == 12
+    finally:
+        fit.forget()
