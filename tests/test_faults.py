@@ -14,6 +14,7 @@ refused checkpoints) run the walk in this process.
 
 from __future__ import annotations
 
+import errno
 import math
 import os
 import subprocess
@@ -387,3 +388,30 @@ def test_resuming_from_a_directory_without_a_checkpoint_is_refused(
     with pytest.raises(CheckpointError, match="no stream checkpoint"):
         fitted.fit(*collection(*arrays()), resume_from=tmp_path)
     assert_unchanged(before, snapshot(fitted))
+
+
+def test_a_full_disk_skips_checkpoints_and_the_fit_goes_on(tmp_path, monkeypatch):
+    # The disk fills up after the second stream checkpoint: its later writes fail at fsync.
+    real_fsync, calls = os.fsync, []
+
+    def fsync(fd: int) -> None:
+        calls.append(fd)
+        if len(calls) > 2:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        real_fsync(fd)
+
+    X, y = arrays()
+    directory = tmp_path / "ckpt"
+    monkeypatch.setattr(os, "fsync", fsync)
+    model = RenewableHuberRegressor(checkpoint_every=2, checkpoint_dir=directory, progress=False)
+    with pytest.warns(RuntimeWarning, match="No space left on device"):
+        model.fit(*collection(X, y))
+    monkeypatch.setattr(os, "fsync", real_fsync)
+    assert len(calls) > 3  # every later checkpoint was attempted
+    _assert_same_fit(model, RenewableHuberRegressor(progress=False).fit(*collection(X, y)))
+    # The last checkpoint written is intact, and no partial file was left beside it.
+    assert sorted(os.listdir(directory)) == ["stream.npz"]
+    kept = CheckpointStore(directory).read()
+    assert kept.walk.next_chunk == 4 and len(kept.records) == 4
+    resumed = RenewableHuberRegressor(progress=False).fit(*collection(X, y), resume_from=directory)
+    _assert_same_fit(resumed, model)
