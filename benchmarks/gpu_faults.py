@@ -83,9 +83,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--features", type=int, default=90)
     p.add_argument("--threads", type=int, default=None, help="threads per worker")
     p.add_argument("--data-dir", default=None)
+    p.add_argument(
+        "--engine",
+        choices=["gpu", "numpy"],
+        default="gpu",
+        help="numpy: the same test on CPU workers (a check of this script where there is no GPU)",
+    )
     args = p.parse_args(argv)
     # What faults.fit reads of its arguments.
-    args.engine, args.dtype, args.loader, args.lookahead = "gpu", "float32", "actor", 2
+    args.dtype, args.loader, args.lookahead = "float32", "actor", 2
     SOURCE["kind"] = "mmap"
     rows = N_CHUNKS * args.chunk_rows
     tmp = Path(os.environ.get("TMPDIR", "/tmp"))
@@ -100,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
         "runs": [],
     }
     out = Path(args.out) / "gpu_faults.json"
-    cluster, client, extra, kind = start_cluster("gpu", args.threads)
+    cluster, client, extra, kind = start_cluster(args.engine, args.threads)
     scratch = Path(tempfile.mkdtemp(prefix="rh-dask-gpu-faults-"))
     try:
         payload["cluster"] = describe_cluster(client) | {"kind": kind}
