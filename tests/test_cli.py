@@ -154,7 +154,7 @@ def parquet_model(data):
 def test_help_lists_commands_and_exit_codes(tmp_path):
     result = run_cli("--help", cwd=tmp_path)
     assert result.returncode == 0
-    for word in ("demo", "fit", "predict", "info", "exit codes"):
+    for word in ("demo", "fit", "attach", "predict", "info", "exit codes"):
         assert word in result.stdout
     version = run_cli("--version", cwd=tmp_path)
     assert version.returncode == 0 and version.stdout.startswith("rh-dask ")
@@ -787,7 +787,10 @@ def test_ctrl_c_on_the_default_local_cluster_is_one_line_and_prompt(tmp_path):
         stdout = "".join(iter(out.get_nowait, None))
         stderr = "".join(iter(err.get_nowait, None))
         assert code == EXIT_INTERRUPTED, stderr
-        assert stderr.splitlines() == ["rh-dask: interrupted"], stderr
+        assert stderr.splitlines() == [
+            "rh-dask: interrupted; nothing was kept (--checkpoint-dir DIR keeps a checkpoint "
+            "to resume)"
+        ], stderr
         assert "fitted" not in stdout and not model.exists()  # interrupted mid-fit
         assert elapsed < 10, elapsed
         # The worker processes are gone too (none left in the process group).

@@ -1,7 +1,8 @@
 """The ``rh-dask`` command line (also ``python -m rh_dask``).
 
-Subcommands: ``demo``, ``fit``, ``predict``, ``info``. ``rh-dask <command>
---help`` lists each one's options; ``docs/api.md`` documents them.
+Subcommands: ``demo``, ``fit``, ``attach``, ``predict``, ``info``.
+``rh-dask <command> --help`` lists each one's options; ``docs/api.md``
+documents them.
 
 Exit codes (also in ``rh-dask --help``):
 
@@ -10,9 +11,12 @@ Exit codes (also in ``rh-dask --help``):
 1      unexpected failure (``--traceback`` shows where)
 2      usage error: unknown option, missing or malformed argument
 3      bad input: missing file, unknown column, unreadable data, a chunk
-       refused by validation, an invalid or corrupted model file, an output
-       path that cannot be written (checked before any work)
+       refused by validation, an invalid or corrupted model file, a stream
+       checkpoint that is damaged or of another input (``--resume``), no
+       detached fit of the name given to ``attach`` (or a cancelled one), an
+       output path that cannot be written (checked before any work)
 4      cluster failure: scheduler unreachable, no workers, engine's worker lost
+       (and no recovery left)
 5      engine unavailable: the requested engine cannot start
 6      an optional dependency is missing (the message names the extra)
 130    interrupted
@@ -25,6 +29,7 @@ import argparse
 import inspect
 import json
 import os
+import shlex
 import sys
 import tempfile
 import time
@@ -37,6 +42,7 @@ from .._version import __version__
 from ..exceptions import (
     ActorLostError,
     CheckpointError,
+    DetachedFitError,
     EngineUnavailableError,
     SchedulerLostError,
     StreamError,
@@ -71,9 +77,12 @@ exit codes:
   1  unexpected failure (--traceback shows where)
   2  usage error
   3  bad input: missing file, unknown column, unreadable data, a chunk refused
-     by validation, an invalid or corrupted model file, an output path that
-     cannot be written
+     by validation, an invalid or corrupted model file, a stream checkpoint
+     that is damaged or of another input (--resume), no detached fit of the
+     name given to attach (or a cancelled one), an output path that cannot be
+     written
   4  cluster failure: scheduler unreachable, no workers, engine's worker lost
+     (and no recovery left)
   5  engine unavailable: the requested engine cannot start
   6  an optional dependency is missing (the message names the extra)
 130  interrupted (Ctrl-C)
@@ -88,6 +97,16 @@ def _positive_int(text: str) -> int:
         raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
     if value < 1:
         raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    return value
+
+
+def _count(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 0, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 0, got {value}")
     return value
 
 
@@ -197,6 +216,63 @@ def _add_model_options(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
+def _add_fault_tolerance_options(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("fault tolerance")
+    group.add_argument(
+        "--checkpoint-dir",
+        metavar="DIR",
+        help="also write the stream checkpoints of the fit here (a local path or an fsspec "
+        "URL such as s3://bucket/run), so that --resume continues a fit that was "
+        "interrupted or crashed (default: checkpoints held in memory only)",
+    )
+    group.add_argument(
+        "--checkpoint-every",
+        type=_positive_int,
+        metavar="N",
+        help="a stream checkpoint after every N chunks (default: the setting "
+        "rh-dask.checkpoint.every-chunks)",
+    )
+    group.add_argument(
+        "--max-retries",
+        type=_count,
+        metavar="N",
+        help="recoveries from a lost engine worker allowed in the fit; 0: fail at once "
+        "(default: the setting rh-dask.recovery.max-retries)",
+    )
+    group.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue the stream checkpoint in --checkpoint-dir (same input, same model "
+        "options); when it holds none, fit from the first chunk",
+    )
+    group.add_argument(
+        "--detach",
+        action="store_true",
+        help="run the fit inside the cluster of --scheduler ADDRESS (or --scheduler-file) "
+        "and return at once, printing its name; 'rh-dask attach NAME' collects the model",
+    )
+
+
+def _add_remote_options(parser: argparse.ArgumentParser) -> None:
+    from .cluster import open_cluster
+
+    timeout = _keyword_default(open_cluster, "timeout")
+    group = parser.add_argument_group("cluster")
+    group.add_argument(
+        "--scheduler", metavar="ADDRESS", help="address of the scheduler (tcp://host:8786)"
+    )
+    group.add_argument(
+        "--scheduler-file", metavar="PATH", help="connect through a dask scheduler file instead"
+    )
+    group.add_argument(
+        "--connect-timeout",
+        type=_positive_float,
+        default=timeout,
+        metavar="SECONDS",
+        help=f"how long to wait for the scheduler (default: {timeout:g})",
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The ``rh-dask`` argument parser."""
     from ..datasets import StreamSpec
@@ -264,7 +340,29 @@ def build_parser() -> argparse.ArgumentParser:
     fit.add_argument("--report", type=Path, metavar="DIR", help="write report.json and plots")
     _add_model_options(fit)
     _add_cluster_options(fit, default="auto")
+    _add_fault_tolerance_options(fit)
     fit.set_defaults(handler=_cmd_fit)
+
+    attach = commands.add_parser(
+        "attach",
+        help="reconnect to a detached fit, watch it and collect its model",
+        description="Reconnect to a fit started with 'rh-dask fit --detach', show its "
+        "progress until it ends, and save its model and report like 'fit' does.",
+        epilog=_EXIT_HELP,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    attach.add_argument("name", metavar="NAME", help="the name 'rh-dask fit --detach' printed")
+    attach.add_argument(
+        "--output",
+        type=Path,
+        metavar="MODEL.npz",
+        help="save the model here (.npz is appended when it is not the suffix); once "
+        "saved, the fit is forgotten by the scheduler",
+    )
+    attach.add_argument("--report", type=Path, metavar="DIR", help="write report.json and plots")
+    attach.add_argument("--no-progress", action="store_true", help="no progress bar")
+    _add_remote_options(attach)
+    attach.set_defaults(handler=_cmd_attach)
 
     predict = commands.add_parser(
         "predict",
@@ -347,6 +445,29 @@ def _check_usage(parser: argparse.ArgumentParser, args: argparse.Namespace) -> N
     """Combinations of options argparse cannot refuse by itself (exit 2)."""
     if getattr(args, "dashboard", None) is not None and args.scheduler == "none":
         parser.error("--dashboard needs a cluster: --scheduler local, auto or an address")
+    if args.command == "fit":
+        if args.resume and args.checkpoint_dir is None:
+            parser.error("--resume needs --checkpoint-dir DIR: where the checkpoint to resume is")
+        if args.detach and not _remote(args):
+            parser.error(
+                "--detach needs a running scheduler: --scheduler ADDRESS or --scheduler-file "
+                f"PATH (a cluster started by the command, --scheduler {args.scheduler}, "
+                "would stop with it)"
+            )
+        if args.detach and args.resume:
+            parser.error(
+                "--detach and --resume exclude each other: a detached fit with "
+                "--checkpoint-dir resumes by itself when the cluster reruns it"
+            )
+    if args.command == "attach" and not _remote(args):
+        parser.error("attach needs the fit's scheduler: --scheduler ADDRESS or --scheduler-file")
+
+
+def _remote(args: argparse.Namespace) -> bool:
+    """Whether the command names a running scheduler (not one it starts or none)."""
+    if args.scheduler_file is not None:
+        return True
+    return args.scheduler not in (None, "auto", "local", "none")
 
 
 #: Options that only mean something on a local cluster: given, ``auto`` starts one.
@@ -452,7 +573,23 @@ def _estimator(args: argparse.Namespace, engine: str) -> Any:
         loader=args.loader,
         worker=args.worker,
         progress=False if args.no_progress else None,  # None: a bar on a terminal
+        checkpoint_every=getattr(args, "checkpoint_every", None),
+        checkpoint_dir=getattr(args, "checkpoint_dir", None),
+        max_retries=getattr(args, "max_retries", None),
     )
+
+
+def _engine_for(args: argparse.Namespace, session: Any) -> tuple[str, str | None]:
+    """The engine to ask for, and the one to fall back to when it cannot start."""
+    from ..engines import resolve_engine_name
+
+    # --engine auto on a cluster follows its workers: the library's rule, told what they have.
+    # In this process the estimator applies the same rule itself and keeps the request.
+    if session.client is None:
+        return args.engine, None
+    engine = resolve_engine_name(args.engine, args.device, gpu_workers=session.has_gpu_workers())
+    # A GPU chosen for the cluster's GPU workers backs off to NumPy when it cannot start.
+    return engine, "numpy" if args.engine == "auto" and engine == "gpu" else None
 
 
 def _fit_and_save(
@@ -462,47 +599,53 @@ def _fit_and_save(
     output: Path,
 ) -> tuple[Any, Path]:
     """Fit ``table`` on ``session`` and save the model; returns the outcome and its path."""
-    from ..engines import resolve_engine_name
     from .jobs import fit_table
 
-    # --engine auto on a cluster follows its workers: the library's rule, told what they have.
-    # In this process the estimator applies the same rule itself and keeps the request.
-    engine = args.engine
-    fallback = None
-    if session.client is not None:
-        gpu_workers = session.has_gpu_workers()
-        engine = resolve_engine_name(args.engine, args.device, gpu_workers=gpu_workers)
-        # A GPU chosen for the cluster's GPU workers backs off to NumPy when it cannot start.
-        fallback = "numpy" if args.engine == "auto" and engine == "gpu" else None
+    engine, fallback = _engine_for(args, session)
     model = _estimator(args, engine)
-    outcome = fit_table(model, table, fallback_engine=fallback)
+    outcome = fit_table(
+        model, table, fallback_engine=fallback, resume=getattr(args, "resume", False)
+    )
     saved = model.save(output)
     return outcome, Path(saved)
 
 
+def _plural(count: int, word: str) -> str:
+    return f"{count:,} {word}{'' if count == 1 else 's'}"
+
+
 def _summary(outcome: Any) -> str:
     model = outcome.model
-    rows = int(model.n_samples_seen_)
-    chunks = len(outcome.history)
+    rows = outcome.rows_this_call
+    chunks = outcome.chunks_this_call
     empty = int(model.n_empty_chunks_)
     rate = rows / outcome.seconds if outcome.seconds > 0 else float("nan")
     where = ""
     if outcome.placement:
         where = f" on {outcome.placement.get('worker')}"
     skipped = f", {empty} empty skipped" if empty else ""
+    engine = f"(engine {outcome.engine}{where}, {model.dtype})"
+    if outcome.resumed_from is None:
+        return (
+            f"fitted {rows:,} rows in {_plural(chunks, 'chunk')}{skipped} in "
+            f"{outcome.seconds:.2f} s: "
+            f"{rate:,.0f} rows/s {engine}"
+        )
+    total = int(model.n_samples_seen_)
     return (
-        f"fitted {rows:,} rows in {chunks} chunks{skipped} in {outcome.seconds:.2f} s: "
-        f"{rate:,.0f} rows/s (engine {outcome.engine}{where}, {model.dtype})"
+        f"resumed at chunk {outcome.resumed_from}: fitted {_plural(rows, 'more row')} in "
+        f"{_plural(chunks, 'chunk')} in {outcome.seconds:.2f} s: {rate:,.0f} rows/s; "
+        f"{total:,} rows in {_plural(len(outcome.history), 'chunk')}{skipped} in all {engine}"
     )
 
 
 def _write_report(
-    args: argparse.Namespace,
     directory: Path,
     outcome: Any,
-    table: Any,
+    data: dict[str, Any],
+    feature_names: list[str],
     session: Any,
-    saved: Path,
+    saved: Path | None,
     timings: dict[str, float],
     argv: Sequence[str],
     **kwargs: Any,
@@ -512,21 +655,101 @@ def _write_report(
     truth = kwargs.pop("truth", None)
     report = build_report(
         outcome,
-        data=table.description,
-        feature_names=table.feature_names,
+        data=data,
+        feature_names=feature_names,
         session=session,
         command=["rh-dask", *argv],
         timings=timings,
-        model_path=str(saved),
+        model_path=None if saved is None else str(saved),
         **kwargs,
     )
     return write_report(directory, report, truth=truth)
 
 
+# -- interruptions and failures with advice ---------------------------------------------------
+class _Interrupted(KeyboardInterrupt):
+    """A Ctrl-C the command explains in one line (what was kept, how to go on)."""
+
+
+class _Advised(Exception):
+    """An error of a command, with advice appended to its line; exits as ``cause`` does."""
+
+    def __init__(self, cause: Exception, advice: str) -> None:
+        super().__init__(f"{cause}; {advice}")
+        self.cause = cause
+        self.advice = advice
+
+
+def _resume_command(args: argparse.Namespace, argv: Sequence[str]) -> str:
+    """The command line that resumes this fit: the same one, with ``--resume``."""
+    words = ["rh-dask", *argv, *([] if args.resume else ["--resume"])]
+    return shlex.join(words)
+
+
+def _kept(args: argparse.Namespace, before: Any) -> Any:
+    """The stream checkpoint this fit left in ``--checkpoint-dir``, ``None`` when none."""
+    from .jobs import peek_checkpoint, walked_by
+
+    after = peek_checkpoint(args.checkpoint_dir)
+    # A resumed fit stopped before its first new chunk still leaves a resumable checkpoint.
+    return after if args.resume else walked_by(after, before)
+
+
+def _interrupted_fit(args: argparse.Namespace, argv: Sequence[str], before: Any) -> str:
+    """The line an interrupted ``fit`` ends with: what it kept and how to resume."""
+    if args.checkpoint_dir is None:
+        return "interrupted; nothing was kept (--checkpoint-dir DIR keeps a checkpoint to resume)"
+    kept = _kept(args, before)
+    if kept is None:
+        return (
+            f"interrupted before the first chunk was fitted: {args.checkpoint_dir} holds "
+            "nothing of this fit to resume"
+        )
+    walk = kept.walk
+    return (
+        f"interrupted: stopped after {walk.next_chunk} of {walk.n_chunks} chunks; the "
+        f"checkpoint in {args.checkpoint_dir} keeps them; resume with: "
+        f"{_resume_command(args, argv)}"
+    )
+
+
+def _failed_fit(
+    args: argparse.Namespace, argv: Sequence[str], before: Any, exc: Exception
+) -> Exception:
+    """``exc`` with the command that resumes the fit, when a checkpoint of it was kept.
+
+    Only for failures a rerun can get past (a lost worker or scheduler, a chunk
+    whose loading failed); a chunk refused for its data would be refused again.
+    """
+    from ..exceptions import BadChunkError
+
+    if args.checkpoint_dir is None or isinstance(exc, BadChunkError):
+        return exc
+    kept = _kept(args, before)
+    if kept is None:
+        return exc
+    walk = kept.walk
+    return _Advised(
+        exc,
+        f"the checkpoint in {args.checkpoint_dir} keeps {walk.next_chunk} of "
+        f"{walk.n_chunks} chunks; resume with: {_resume_command(args, argv)}",
+    )
+
+
 # -- commands -------------------------------------------------------------------------------
+def _check_checkpoint_dir(location: str | None) -> None:
+    """A local ``--checkpoint-dir`` must be a directory this process can create and write."""
+    from .io import _is_url
+    from .outputs import check_directory
+
+    if location is not None and not _is_url(location):
+        check_directory(location, "--checkpoint-dir", files=("stream.npz",))
+
+
 def _cmd_fit(args: argparse.Namespace, argv: Sequence[str]) -> int:
     from .extras import require
     from .io import open_table
+    from .jobs import peek_checkpoint
     from .outputs import check_directory, check_file, model_path
     from .report import REPORT_FILES
 
@@ -535,6 +758,8 @@ def _cmd_fit(args: argparse.Namespace, argv: Sequence[str]) -> int:
     if args.report is not None:
         check_directory(args.report, "--report", files=REPORT_FILES)
         require("matplotlib", "report", "--report")
+    if not args.detach:  # a detached fit writes its checkpoints from a worker
+        _check_checkpoint_dir(args.checkpoint_dir)
     start = time.perf_counter()
     table = open_table(
         args.input,
@@ -546,21 +771,149 @@ def _cmd_fit(args: argparse.Namespace, argv: Sequence[str]) -> int:
         fmt=args.format,
     )
     opened = time.perf_counter()
-    with _session(args, table) as session:
-        connected = time.perf_counter()
-        outcome, saved = _fit_and_save(args, table, session, args.output)
+    if args.detach:
+        with _session(args, table) as session:
+            return _detach(args, table, session)
+    before = peek_checkpoint(args.checkpoint_dir)  # an earlier fit's, for the messages
+    try:
+        with _session(args, table) as session:
+            connected = time.perf_counter()
+            try:
+                outcome, saved = _fit_and_save(args, table, session, args.output)
+            except StreamError as exc:  # a lost worker or scheduler too
+                raise _failed_fit(args, argv, before, exc) from exc
+            print(_summary(outcome))
+            for note in outcome.notes:
+                print(f"note: {note}")
+            print(f"model: {saved}")
+            if args.report is not None:
+                timings = {
+                    "open_seconds": opened - start,
+                    "connect_seconds": connected - opened,
+                }
+                files = _write_report(
+                    args.report,
+                    outcome,
+                    table.description,
+                    table.feature_names,
+                    session,
+                    saved,
+                    timings,
+                    argv,
+                )
+                print(f"report: {files[0].parent} ({', '.join(f.name for f in files)})")
+    except KeyboardInterrupt as exc:
+        if isinstance(exc, _Interrupted):
+            raise
+        raise _Interrupted(_interrupted_fit(args, argv, before)) from exc
+    return EXIT_OK
+
+
+#: Suffix of the published name under which ``fit --detach`` leaves what a report needs.
+_CONTEXT_SUFFIX = "-cli"
+
+
+def _detach(args: argparse.Namespace, table: Any, session: Any) -> int:
+    """Submit the fit into the cluster, say how to collect it, and return."""
+    from ..distributed import submit_fit
+    from .io import _is_url
+
+    engine, _ = _engine_for(args, session)  # no fallback: nothing here sees the engine start
+    model = _estimator(args, engine)
+    if args.checkpoint_dir is not None and not _is_url(args.checkpoint_dir):
+        # Written from a worker, whose working directory is not this one.
+        model.set_params(checkpoint_dir=os.path.abspath(args.checkpoint_dir))
+    fit = submit_fit(model, *table.fit_inputs(), client=session.client)
+    # What the report of 'attach' needs and only this process knows: the input's description.
+    context = {"data": table.description, "feature_names": list(table.feature_names)}
+    session.client.publish_dataset(**{fit.name + _CONTEXT_SUFFIX: context})
+    command = ["rh-dask", "attach", fit.name]
+    if args.scheduler_file is not None:
+        command += ["--scheduler-file", os.path.abspath(args.scheduler_file)]
+    else:
+        command += ["--scheduler", session.address]
+    command += ["--output", os.path.abspath(args.output)]
+    if args.report is not None:
+        command += ["--report", os.path.abspath(args.report)]
+    print(f"detached fit: {fit.name} on {session.address}")
+    print(f"collect it with: {shlex.join(command)}")
+    return EXIT_OK
+
+
+def _cmd_attach(args: argparse.Namespace, argv: Sequence[str]) -> int:
+    from ..distributed import DetachedFit
+    from ..distributed.progress import progress_enabled
+    from .cluster import open_cluster
+    from .extras import require
+    from .jobs import collect_detached
+    from .outputs import check_directory, check_file, model_path
+    from .report import REPORT_FILES
+
+    if args.output is not None:
+        check_file(args.output, "--output")
+        check_file(model_path(args.output), "--output")
+    if args.report is not None:
+        check_directory(args.report, "--report", files=REPORT_FILES)
+        require("matplotlib", "report", "--report")
+    again = ["rh-dask", *argv]
+    with open_cluster(
+        args.scheduler, scheduler_file=args.scheduler_file, timeout=args.connect_timeout
+    ) as session:
+        print(f"cluster: {session.kind} at {session.address}", flush=True)
+        fit = DetachedFit.attach(args.name, client=session.client)
+        done = fit.progress()
+        count = done["n_chunks"]
+        where = "" if count is None else f", {done['chunks_done']} of {count} chunks"
+        print(f"detached fit {args.name}: {fit.status()}{where}", flush=True)
+        try:
+            outcome = collect_detached(
+                fit, progress=progress_enabled(False if args.no_progress else None)
+            )
+        except KeyboardInterrupt as exc:
+            raise _Interrupted(
+                f"interrupted; the detached fit {args.name} goes on in the cluster: "
+                f"{shlex.join(again)} collects it"
+            ) from exc
         print(_summary(outcome))
         for note in outcome.notes:
             print(f"note: {note}")
-        print(f"model: {saved}")
+        saved = None
+        if args.output is not None:
+            saved = Path(outcome.model.save(args.output))
+            print(f"model: {saved}")
         if args.report is not None:
-            timings = {
-                "open_seconds": opened - start,
-                "connect_seconds": connected - opened,
-            }
-            files = _write_report(args, args.report, outcome, table, session, saved, timings, argv)
+            context = _detached_context(session.client, args.name, outcome.model)
+            files = _write_report(
+                args.report,
+                outcome,
+                context["data"],
+                context["feature_names"],
+                session,
+                saved,
+                {},
+                argv,
+            )
             print(f"report: {files[0].parent} ({', '.join(f.name for f in files)})")
+        if saved is not None:  # the model is on disk: the scheduler need not keep the fit
+            fit.forget()
+            session.client.unpublish_dataset(args.name + _CONTEXT_SUFFIX)
     return EXIT_OK
+
+
+def _detached_context(client: Any, name: str, model: Any) -> dict[str, Any]:
+    """What ``fit --detach`` published for the report; the model's own facts when it did not.
+
+    A fit submitted from Python (:func:`rh_dask.distributed.submit_fit`) has no
+    published description of its input; its report names the features as the
+    model does.
+    """
+    context = client.get_dataset(name + _CONTEXT_SUFFIX, default=None)
+    if context is not None:
+        return context
+    names = getattr(model, "feature_names_in_", None)
+    if names is None:
+        names = [f"x{j}" for j in range(model.n_features_in_)]
+    return {"data": {"detached": name}, "feature_names": [str(n) for n in names]}
 
 
 def _cmd_predict(args: argparse.Namespace, argv: Sequence[str]) -> int:
@@ -685,10 +1038,10 @@ def _cmd_demo(args: argparse.Namespace, argv: Sequence[str]) -> int:
                 f"least squares {comparison.ols_error:.4f} ({ratio:.1f}x larger)"
             )
             files = _write_report(
-                args,
                 out / "report",
                 outcome,
-                table,
+                table.description,
+                table.feature_names,
                 session,
                 saved,
                 {"generate_seconds": written["seconds"], "least_squares_seconds": ols_seconds},
@@ -719,7 +1072,9 @@ def _exit_code(exc: BaseException) -> int:
         return EXIT_CLUSTER
     if isinstance(exc, EngineUnavailableError):
         return EXIT_ENGINE
-    if isinstance(exc, (InputError, ValidationError, CheckpointError, StreamError)):
+    if isinstance(
+        exc, (InputError, ValidationError, CheckpointError, StreamError, DetachedFitError)
+    ):
         return EXIT_INPUT
     return EXIT_FAILURE
 
@@ -737,8 +1092,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     _check_usage(parser, args)
     try:
         return args.handler(args, argv)
-    except KeyboardInterrupt:
-        print("rh-dask: interrupted", file=sys.stderr)
+    except KeyboardInterrupt as exc:
+        line = str(exc) if isinstance(exc, _Interrupted) else "interrupted"
+        print(f"rh-dask: {line}", file=sys.stderr)
         return EXIT_INTERRUPTED
     except BrokenPipeError:
         # The reader of our output went away (`rh-dask info m.npz | head`): stop
@@ -746,10 +1102,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return EXIT_FAILURE
     except Exception as exc:
-        code = _exit_code(exc)
+        cause = exc.cause if isinstance(exc, _Advised) else exc
+        code = _exit_code(cause)
         if args.traceback:
-            traceback.print_exc()
-        prefix = "error" if code != EXIT_FAILURE else f"unexpected {type(exc).__name__}"
+            traceback.print_exception(cause)
+        prefix = "error" if code != EXIT_FAILURE else f"unexpected {type(cause).__name__}"
         hint = "" if code != EXIT_FAILURE or args.traceback else " (--traceback for details)"
         print(f"rh-dask: {prefix}: {_one_line(exc)}{hint}", file=sys.stderr)
         return code
