@@ -77,16 +77,16 @@ def assert_same_model(path: Path, reference: Path) -> None:
 
 @pytest.fixture
 def interrupt_at(monkeypatch):
-    """``interrupt_at(chunk)``: loading that chunk raises KeyboardInterrupt, once."""
+    """``interrupt_at(chunk, error=KeyboardInterrupt)``: loading that chunk raises, once."""
 
-    def arm(chunk: int) -> None:
+    def arm(chunk: int, error: type[BaseException] = KeyboardInterrupt) -> None:
         read = app_io.NpyRows.__getitem__
         fired = []
 
         def getitem(self, key):
             if not fired and key[0].start == chunk * CHUNK_ROWS:
                 fired.append(key)
-                raise KeyboardInterrupt
+                raise error("the disk went away")
             return read(self, key)
 
         monkeypatch.setattr(app_io.NpyRows, "__getitem__", getitem)
@@ -193,6 +193,25 @@ def test_an_interrupted_fit_resumes_to_the_uninterrupted_model(
     assert resumed.n_samples_seen_ == ROWS
     finished = CheckpointStore(store).read()
     assert finished.walk.next_chunk == CHUNKS and len(finished.records) == CHUNKS
+
+
+def test_a_chunk_that_cannot_be_loaded_ends_the_line_with_the_resume_command(
+    rows, uninterrupted, tmp_path, capsys, interrupt_at
+):
+    """A failure a rerun can get past (here an I/O error) keeps its exit code and its
+    message, and says how to resume; the resumed fit is the uninterrupted one."""
+    model, store = tmp_path / "model.npz", tmp_path / "ckpt"
+    argv = fit_argv(rows, model, "--checkpoint-dir", str(store))
+    interrupt_at(7, OSError)
+    assert main(argv) == EXIT_INPUT
+    (line,) = capsys.readouterr().err.splitlines()
+    assert line.startswith("rh-dask: error: chunk 7 could not be loaded: OSError: the disk "), line
+    assert f"; the checkpoint in {store} keeps 7 of {CHUNKS} chunks; resume with: " in line
+    assert shlex.split(line.split("resume with: ", 1)[1]) == ["rh-dask", *argv, "--resume"]
+    assert not model.exists()
+    assert main([*argv, "--resume"]) == 0
+    assert "resumed at chunk 7: fitted 500 more rows in 5 chunks" in capsys.readouterr().out
+    assert_same_model(model, uninterrupted)
 
 
 def test_resume_refuses_a_checkpoint_of_another_input_and_a_damaged_one(rows, tmp_path, capsys):
