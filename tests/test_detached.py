@@ -151,7 +151,7 @@ SUBMITTER = """
 import sys, time
 import dask.array as da
 import numpy as np
-from distributed import Client
+from distributed import Client, wait
 from rh_dask import RenewableHuberRegressor
 from rh_dask.distributed import submit_fit
 
@@ -165,8 +165,10 @@ X = rng.normal(size=({n}, {d}))
 y = X @ rng.normal(size={d}) + 0.5 + rng.standard_t(3, size={n})
 Xd = da.from_array(X, chunks=({chunk}, {d})).map_blocks(sleep_block, dtype=X.dtype)
 with Client(address) as client:
-    fit = submit_fit(RenewableHuberRegressor(progress=False), Xd, da.from_array(y, chunks={chunk}),
-                     name=name)
+    # y persisted by this client: the publication must keep it once this client is gone.
+    yd = client.persist(da.from_array(y, chunks={chunk}))
+    wait(yd)
+    fit = submit_fit(RenewableHuberRegressor(progress=False), Xd, yd, name=name)
     print(fit.name, flush=True)
 """
 
@@ -192,7 +194,9 @@ def test_a_fit_whose_client_disconnected_is_collected_by_a_new_client(client):
             assert fit.status() == "running", fit.progress()
             assert fit.progress()["chunks_done"] < 12
             assert fit.wait(timeout=60) == "finished"
-            _assert_same_fit(fit.result(), _reference(X, y, client))
+            model = fit.result()
+            assert model.placement_["loader"] != "actor"  # persisted y: loaded by tasks
+            _assert_same_fit(model, _reference(X, y, client))
         finally:
             fit.forget()
 

@@ -191,7 +191,12 @@ def run_detached(estimator: Any, X: Any, y: Any, sample_weight: Any, name: str) 
                 _fit(estimator, X, y, sample_weight, attempt, name)
         finally:
             estimator.progress = shown
-            publisher.publish()
+            try:
+                publisher.publish()
+            except Exception as exc:  # a lost scheduler must not hide the fit's own error
+                logger.warning(
+                    "detached fit %r: the last progress was not published: %s", name, exc
+                )
     return estimator
 
 
@@ -253,7 +258,7 @@ def submit_fit(
             f"a dataset named {name!r} is published on the scheduler already; choose "
             "another name, or forget() that fit first"
         )
-    from distributed import Event, Variable
+    from distributed import Event, Variable, futures_of
 
     # The record is there before the task starts: the task counts its attempts from it.
     Variable(_progress_name(name), client=client).set(_record(0, None, 0, 0))
@@ -268,10 +273,12 @@ def submit_fit(
         key=f"rh-dask-detached-{name}-{uuid.uuid4().hex[:8]}",
         pure=False,
     )
+    # Persisted inputs are held by the client that persisted them: the
+    # publication holds them too, so that they outlive it with the task.
+    inputs = futures_of([a for a in (X, y, sample_weight) if dask.is_dask_collection(a)])
+    record = {"tag": _TAG, "future": future, "inputs": inputs, "submitted": time.time()}
     try:
-        client.publish_dataset(
-            {"tag": _TAG, "future": future, "submitted": time.time()}, name=name
-        )
+        client.publish_dataset(record, name=name)
     except KeyError:  # published by another client since the check above
         client.cancel([future], force=True)
         raise ValidationError(
