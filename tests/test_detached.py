@@ -118,6 +118,8 @@ def test_a_detached_fit_equals_the_fit_driven_from_the_client(client):
     fit.forget()
     with pytest.raises(DetachedFitError, match="no fit is published"):
         DetachedFit.attach(fit.name, client=client)
+    with pytest.raises(DetachedFitError, match="it was forgotten"):
+        fit.progress()
 
 
 @pytest.mark.slow
@@ -242,7 +244,10 @@ def test_a_cancelled_fit_stops_and_says_so(client):
         assert fit.status() == "cancelled"
         with pytest.raises(DetachedFitError, match="was cancelled"):
             fit.result(timeout=10)
-        assert DetachedFit.attach(fit.name, client=client).status() == "cancelled"
+        other = DetachedFit.attach(fit.name, client=client)
+        assert other.status() == "cancelled" and other.wait() == "cancelled"
+        with pytest.raises(DetachedFitError, match="was cancelled"):
+            other.result()
         # The walk itself stopped: its last published count stays short of the end.
         time.sleep(4.0)
         assert fit.progress()["chunks_done"] < 12

@@ -276,7 +276,7 @@ def submit_fit(
     # Persisted inputs are held by the client that persisted them: the
     # publication holds them too, so that they outlive it with the task.
     inputs = futures_of([a for a in (X, y, sample_weight) if dask.is_dask_collection(a)])
-    record = {"tag": _TAG, "future": future, "inputs": inputs, "submitted": time.time()}
+    record = {"tag": _TAG, "future": future, "inputs": inputs}
     try:
         client.publish_dataset(record, name=name)
     except KeyError:  # published by another client since the check above
@@ -303,10 +303,12 @@ class DetachedFit:
         The client this handle talks through.
     """
 
-    def __init__(self, name: str, future: Any, client: Any) -> None:
+    def __init__(self, name: str, future: Any | None, client: Any) -> None:
         self.name = name
         self.client = client
+        # None once the fit was cancelled: its task is gone from the scheduler.
         self._future = future
+        self._forgotten = False
 
     def __repr__(self) -> str:
         return f"<DetachedFit {self.name!r}: {self.status()}>"
@@ -347,6 +349,8 @@ class DetachedFit:
         the task again (with a ``checkpoint_dir``, that run only reloads the
         finished checkpoint).
         """
+        if self._future is None:
+            return "cancelled"
         state = self._future.status
         if state in ("finished", "error"):
             return state
@@ -374,12 +378,16 @@ class DetachedFit:
         """
         from distributed import Variable
 
-        try:
-            record = Variable(_progress_name(self.name), client=self.client).get(timeout=0)
-        except _TIMEOUTS:
+        record = None
+        if not self._forgotten:  # a deletion is sent without waiting for the scheduler
+            try:
+                record = Variable(_progress_name(self.name), client=self.client).get(timeout=0)
+            except _TIMEOUTS:
+                record = None
+        if record is None:
             raise DetachedFitError(
                 f"the detached fit {self.name!r} has no progress record: it was forgotten"
-            ) from None
+            )
         out = dict(record)
         out["updated"] = pd.Timestamp(record["updated"], unit="s", tz="UTC")
         return out
@@ -401,6 +409,8 @@ class DetachedFit:
         """
         from distributed import wait as wait_futures
 
+        if self._future is None:
+            return "cancelled"
         if not progress:
             try:
                 with self.client.as_current():  # distributed.wait asks for the default client
@@ -445,7 +455,7 @@ class DetachedFit:
         TimeoutError
             It was still running after ``timeout`` seconds.
         """
-        if self.status() == "cancelled":
+        if self._future is None or self.status() == "cancelled":
             raise DetachedFitError(f"the detached fit {self.name!r} was cancelled")
         try:
             return self._future.result(timeout=timeout)
@@ -465,12 +475,21 @@ class DetachedFit:
         the running walk, which a thread cannot be made to leave, sees the
         cancel record at its next progress update and ends its engine's stream
         as an interrupted walk does. The name stays published (its status is
-        ``"cancelled"``) until :meth:`forget`.
+        ``"cancelled"``, from any handle) until :meth:`forget`; the publication
+        no longer holds the task or the persisted inputs.
         """
         from distributed import Event
 
         Event(_cancel_name(self.name), client=self.client).set()
+        if self._future is None:
+            return
         self.client.cancel([self._future], force=True)
+        self.client.publish_dataset(
+            {"tag": _TAG, "future": None, "inputs": []},
+            name=self.name,
+            override=True,
+        )
+        self._future = None
 
     def forget(self) -> None:
         """Unpublish the fit: its name, progress and cancel records go, and its result.
@@ -482,4 +501,5 @@ class DetachedFit:
 
         self.client.unpublish_dataset(self.name)
         Variable(_progress_name(self.name), client=self.client).delete()
+        self._forgotten = True
         Event(_cancel_name(self.name), client=self.client).clear()
