@@ -298,9 +298,15 @@ def recovery(
     ``warm()`` runs before each kill, once the killed worker of the run
     before is back, so that every run starts from two warm workers.
     """
-    runs = []
+    runs: list[dict[str, Any]] = []
+    failures: list[str] = []
     for repeat in range(args.kill_repeats):
-        client.wait_for_workers(2, timeout=120)
+        try:
+            client.wait_for_workers(2, timeout=120)
+        except Exception as exc:  # a worker that did not come back ends the runs, not the JSON
+            failures.append(f"before repeat {repeat}: {type(exc).__name__}: {exc}")
+            print(failures[-1], file=sys.stderr, flush=True)
+            break
         warm()
         pids = {pid: address for address, pid in client.run(os.getpid).items()}
         marker, log = scratch / f"kill-{repeat}", scratch / f"kill-{repeat}.log"
@@ -344,10 +350,13 @@ def recovery(
         "kill_at_chunk": args.kill_at,
         "checkpoint_every": args.kill_every,
         "runs": runs,
+        "failures": failures,
         "one_recovery_each": len(one) == len(runs),
         "all_identical": all(r["coefficients_identical_to_uninterrupted"] for r in runs),
         "medians": {k: statistics.median(r[k] for r in one) for k in keys} if one else {},
-        "loss_cost_seconds_median": statistics.median(r["loss_cost_seconds"] for r in runs),
+        "loss_cost_seconds_median": (
+            statistics.median(r["loss_cost_seconds"] for r in runs) if runs else None
+        ),
     }
 
 
@@ -411,6 +420,10 @@ def main(argv: list[str] | None = None) -> int:
         "arguments": vars(args) | {"chunk_rows": chunk_rows},
         "dataset": dataset,
     }
+    # A LocalCluster closes a worker's nanny when, lost-worker-timeout (15 s)
+    # after a loss, no worker of its name is registered: a worker killed again
+    # at that moment would be gone for good.
+    dask.config.set({"distributed.deploy.lost-worker-timeout": "1h"})
     cluster, client, extra, kind = start_cluster(args.engine, args.threads)
     scratch = Path(tempfile.mkdtemp(prefix="rh-dask-faults-"))
     try:

@@ -27,6 +27,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+import dask.config
 from common import environment, write_json
 from distributed_fit import SOURCE, dask_inputs, describe_cluster, write_dataset
 from faults import fit, killed_at, killing, same_bits, start_cluster, stop_cluster, warm_up
@@ -106,6 +107,8 @@ def main(argv: list[str] | None = None) -> int:
         "runs": [],
     }
     out = Path(args.out) / "gpu_faults.json"
+    # Workers are killed more than once: see faults.main.
+    dask.config.set({"distributed.deploy.lost-worker-timeout": "1h"})
     cluster, client, extra, kind = start_cluster(args.engine, args.threads)
     scratch = Path(tempfile.mkdtemp(prefix="rh-dask-gpu-faults-"))
     try:

@@ -49,9 +49,14 @@ HISTORY = ["batch", "rows", "iterations", "converged", "objective"]
 # -- fixtures and references ---------------------------------------------------------------
 @pytest.fixture(scope="module")
 def cluster():
+    import dask.config
     from distributed import Client, LocalCluster
 
+    # A LocalCluster closes a worker's nanny when, lost-worker-timeout (15 s)
+    # after a loss, no worker of its name is registered: a second kill of the
+    # same worker at that moment would then leave one worker for good.
     with (
+        dask.config.set({"distributed.deploy.lost-worker-timeout": "1h"}),
         LocalCluster(
             n_workers=2, threads_per_worker=1, processes=True, dashboard_address=":0"
         ) as lc,
