@@ -44,6 +44,7 @@ from ..exceptions import (
     CheckpointError,
     DetachedFitError,
     EngineUnavailableError,
+    RhDaskError,
     SchedulerLostError,
     StreamError,
     ValidationError,
@@ -667,11 +668,22 @@ def _write_report(
 
 
 # -- interruptions and failures with advice ---------------------------------------------------
-class _Interrupted(KeyboardInterrupt):
-    """A Ctrl-C the command explains in one line (what was kept, how to go on)."""
+def _explained(line: str) -> KeyboardInterrupt:
+    """A Ctrl-C the command explains in one line (what was kept, how to go on).
+
+    Still a plain ``KeyboardInterrupt`` (an interrupt, not an error): the
+    line rides on it as ``rh_dask_line``.
+    """
+    interrupt = KeyboardInterrupt(line)
+    interrupt.rh_dask_line = line  # type: ignore[attr-defined]
+    return interrupt
 
 
-class _Advised(Exception):
+def _line_of(interrupt: KeyboardInterrupt) -> str | None:
+    return getattr(interrupt, "rh_dask_line", None)
+
+
+class _Advised(RhDaskError):
     """An error of a command, with advice appended to its line; exits as ``cause`` does."""
 
     def __init__(self, cause: Exception, advice: str) -> None:
@@ -803,9 +815,9 @@ def _cmd_fit(args: argparse.Namespace, argv: Sequence[str]) -> int:
                 )
                 print(f"report: {files[0].parent} ({', '.join(f.name for f in files)})")
     except KeyboardInterrupt as exc:
-        if isinstance(exc, _Interrupted):
+        if _line_of(exc) is not None:
             raise
-        raise _Interrupted(_interrupted_fit(args, argv, before)) from exc
+        raise _explained(_interrupted_fit(args, argv, before)) from exc
     return EXIT_OK
 
 
@@ -870,7 +882,7 @@ def _cmd_attach(args: argparse.Namespace, argv: Sequence[str]) -> int:
                 fit, progress=progress_enabled(False if args.no_progress else None)
             )
         except KeyboardInterrupt as exc:
-            raise _Interrupted(
+            raise _explained(
                 f"interrupted; the detached fit {args.name} goes on in the cluster: "
                 f"{shlex.join(again)} collects it"
             ) from exc
@@ -1093,7 +1105,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return args.handler(args, argv)
     except KeyboardInterrupt as exc:
-        line = str(exc) if isinstance(exc, _Interrupted) else "interrupted"
+        line = _line_of(exc) or "interrupted"
         print(f"rh-dask: {line}", file=sys.stderr)
         return EXIT_INTERRUPTED
     except BrokenPipeError:
