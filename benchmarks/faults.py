@@ -31,7 +31,10 @@ measurements below see warm processes. Measured:
   consumed); from the killed process's own clock, the time from the kill to
   its detection; the fit's wall time against the same
   collection's uninterrupted fit; and whether the coefficients are
-  bit-identical. Medians of ``--kill-repeats``.
+  bit-identical. Medians of ``--kill-repeats``;
+* **no eligible worker**: the same kill with the fit pinned to the killed
+  worker's address (which its nanny never restarts it at), for each
+  ``--worker-timeouts`` value: the time from the kill to ``ActorLostError``.
 
     # CPU, this machine's scale
     python benchmarks/faults.py --engine numpy --rows 1000000 \\
@@ -360,6 +363,38 @@ def recovery(
     }
 
 
+def no_eligible_worker(
+    args: argparse.Namespace, client: Any, X: Any, y: Any, scratch: Path
+) -> dict[str, Any]:
+    """How soon ``ActorLostError`` comes when no worker may take over, per worker timeout.
+
+    The fit is pinned to one worker (``worker=``); its process is killed
+    loading chunk ``--kill-at`` and its nanny restarts it at another address,
+    so no eligible worker ever appears.
+    """
+    from rh_dask import ActorLostError
+
+    runs = []
+    for timeout in args.worker_timeouts:
+        client.wait_for_workers(2, timeout=120)
+        victim = worker_addresses(client)[0]
+        marker, log = scratch / f"pinned-{timeout}", scratch / f"pinned-{timeout}.log"
+        Xk = killing(X, args.kill_at, marker, log)
+        run: dict[str, Any] = {"worker_timeout_seconds": timeout}
+        with dask.config.set({"rh-dask.recovery.worker-timeout": timeout}):
+            try:
+                fit(args, Xk, y, worker=victim, checkpoint_every=args.kill_every)
+                run["error"] = None
+            except ActorLostError as exc:
+                raised = time.time()
+                run["error"] = str(exc)
+                run["kill_to_error_seconds"] = raised - killed_at(log)[1]
+                run["chunk_index"] = exc.chunk_index
+        runs.append(run)
+        print(f"no eligible worker, timeout {timeout} s: {run}", flush=True)
+    return {"kill_at_chunk": args.kill_at, "runs": runs}
+
+
 # -- main --------------------------------------------------------------------------------------
 def default_kill_at(n_chunks: int, every: int, lookahead: int) -> int:
     """The chunk whose load kills: the engine is then half-way between two checkpoints.
@@ -390,7 +425,12 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--kill-at", type=int, default=None, help="default: default_kill_at()")
     p.add_argument("--kill-every", type=int, default=None, help="default: the packaged setting")
     p.add_argument("--kill-repeats", type=int, default=3)
-    p.add_argument("--skip", default="", help="comma list: overhead, recovery")
+    p.add_argument(
+        "--worker-timeouts",
+        default="1,5",
+        help="rh-dask.recovery.worker-timeout values (seconds) for the no-eligible-worker runs",
+    )
+    p.add_argument("--skip", default="", help="comma list: overhead, recovery, no-worker")
     p.add_argument("--output", default="benchmarks/results/faults.json")
     return p.parse_args(argv)
 
@@ -399,6 +439,7 @@ def main(argv: list[str] | None = None) -> int:
     from rh_dask.settings import Settings
 
     args = parse(argv)
+    args.worker_timeouts = [float(t) for t in args.worker_timeouts.split(",") if t]
     SOURCE["kind"] = args.source
     skip = set(args.skip.split(",")) - {""}
     cores = os.cpu_count() or 1
@@ -436,6 +477,9 @@ def main(argv: list[str] | None = None) -> int:
         if "recovery" not in skip:
             warm = partial(warm_up, args, client, directory, chunk_rows)
             payload["recovery"] = recovery(args, client, X, y, scratch, warm)
+            write_json(args.output, payload)
+        if "no-worker" not in skip:
+            payload["no_eligible_worker"] = no_eligible_worker(args, client, X, y, scratch)
     finally:
         stop_cluster(cluster, client, extra)
         shutil.rmtree(scratch, ignore_errors=True)
