@@ -159,8 +159,11 @@ def test_losing_the_engine_worker_every_time_honours_max_retries(client, tmp_pat
         progress=False,
     )
     start = time.perf_counter()
-    with pytest.raises(ActorLostError, match="lost") as info:
+    with pytest.raises(
+        ActorLostError, match=f"lost {retries + 1} times.*max_retries={retries}"
+    ) as info:
         model.fit(Xd, yd)
+    assert "resume_from" in str(info.value)  # the message says how to go on
     assert time.perf_counter() - start < 60
     assert isinstance(info.value, RhDaskError)
     # The first engine and each of the `retries` new ones died loading chunk 3.
@@ -214,7 +217,7 @@ def test_no_eligible_worker_within_the_timeout_raises_promptly(client, tmp_path)
     raised = time.time()
     ((_, killed_at),) = kills(log)
     assert raised - killed_at < 10.0
-    assert victim in str(info.value)
+    assert victim in str(info.value) and "rh-dask.recovery.worker-timeout" in str(info.value)
     assert info.value.chunk_index == 2
     _assert_same_fit(model, _loop(X, y, 2))
 
