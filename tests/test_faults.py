@@ -176,13 +176,15 @@ def test_losing_the_engine_worker_every_time_honours_max_retries(client, tmp_pat
     assert (model.recoveries_["from_chunk"] == 2).all()
     stored = CheckpointStore(directory).read()
     assert stored is not None and stored.walk.next_chunk == 2
+    # The checkpoint left behind records the losses too, so a resume keeps them.
+    assert [r.kind for r in stored.recoveries] == ["worker-lost"] * retries
 
     # The log is full: the same collection now loads, and the fit resumes from the directory.
     resumed = RenewableHuberRegressor(**model.get_params()).fit(Xd, yd, resume_from=directory)
     ref = RenewableHuberRegressor(loader="actor", lookahead=2, progress=False).fit(Xd, yd)
     _assert_same_fit(resumed, ref)
-    # Those the checkpoint held (taken before the losses: none), then the resume.
-    kinds = [r.kind for r in stored.recoveries] + ["resume"]
+    # Those the checkpoint held (the losses), then the resume.
+    kinds = ["worker-lost"] * retries + ["resume"]
     assert resumed.recoveries_["kind"].tolist() == kinds
     assert resumed.recoveries_["from_chunk"].iloc[-1] == 2
 

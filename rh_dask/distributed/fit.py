@@ -200,6 +200,7 @@ class CheckpointWriter:
         self.every_chunks = every_chunks
         self.every_seconds = every_seconds
         self.written = -1  # next_chunk of the last checkpoint written
+        self._written_recoveries = 0  # recoveries it holds
         self._last_time = time.monotonic()
         self._last_chunk = -1
 
@@ -230,7 +231,9 @@ class CheckpointWriter:
         """
         self._last_chunk = next_chunk
         self._last_time = time.monotonic()
-        if self.store is None or next_chunk <= self.written:
+        known = len(self._recoveries) + len(recoveries)
+        stale = next_chunk <= self.written and known <= self._written_recoveries
+        if self.store is None or stale:
             return
         from ..checkpoint import Checkpoint, WalkPosition
 
@@ -261,6 +264,7 @@ class CheckpointWriter:
             )
             return
         self.written = next_chunk
+        self._written_recoveries = known
 
 
 def current_client() -> Any | None:
