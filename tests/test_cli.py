@@ -61,6 +61,15 @@ FEATURES = ["f0", "f1", "f2"]
 N_ROWS = 1200
 
 
+def _sigint_default() -> None:
+    """In the child: Ctrl-C's default action, even under a shell that ignores it.
+
+    A job a non-interactive shell starts in the background inherits SIGINT
+    ignored, and Python then installs no KeyboardInterrupt handler.
+    """
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def run_cli(
     *args: str, cwd: Path, timeout: float = 120, warnings: bool = False
 ) -> subprocess.CompletedProcess:
@@ -764,7 +773,7 @@ def test_ctrl_c_on_the_default_local_cluster_is_one_line_and_prompt(tmp_path):
     process = subprocess.Popen(
         [sys.executable, "-m", "rh_dask", *argv],
         cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        start_new_session=True,
+        start_new_session=True, preexec_fn=_sigint_default,
     )  # fmt: skip
     out: queue.Queue = queue.Queue()
     err: queue.Queue = queue.Queue()

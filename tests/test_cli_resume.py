@@ -293,6 +293,15 @@ def test_an_interruption_before_the_first_chunk_keeps_nothing_to_resume(
 
 
 # -- Ctrl-C from a terminal ------------------------------------------------------------------
+def _sigint_default() -> None:
+    """In the child: Ctrl-C's default action, even under a shell that ignores it.
+
+    A job a non-interactive shell starts in the background inherits SIGINT
+    ignored, and Python then installs no KeyboardInterrupt handler.
+    """
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def _lines(stream, sink: queue.Queue) -> None:
     for line in stream:
         sink.put(line)
@@ -318,7 +327,7 @@ def test_sigint_leaves_a_checkpoint_that_resumes_to_the_uninterrupted_model(
     process = subprocess.Popen(
         [sys.executable, "-m", "rh_dask", *argv],
         cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        start_new_session=True, env=env,
+        start_new_session=True, env=env, preexec_fn=_sigint_default,
     )  # fmt: skip
     err: queue.Queue = queue.Queue()
     reader = threading.Thread(target=_lines, args=(process.stderr, err), daemon=True)
