@@ -440,3 +440,21 @@ def test_compute_keys_runs_each_task_once_after_its_dependencies():
     import dask
 
     assert list(dask.get(legacy, ["d", "b"])) == values
+
+
+# -- Ctrl-C held back while a walk's bookkeeping changes ------------------------------------
+def test_an_interrupt_inside_a_deferred_block_is_raised_once_the_block_is_done():
+    import signal
+
+    from rh_dask.distributed.interrupts import interrupts_deferred
+
+    done = []
+    with pytest.raises(KeyboardInterrupt):
+        with interrupts_deferred():
+            signal.raise_signal(signal.SIGINT)  # Ctrl-C between two steps of the block
+            done.append("second step")
+    assert done == ["second step"]
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    with interrupts_deferred():  # no interrupt: nothing raised
+        done.append("again")
+    assert done == ["second step", "again"]

@@ -64,6 +64,7 @@ from .actor import EngineActor, deliver_chunk, load_and_deliver
 from .chunks import AlignedStream, ChunkGraph
 from .consumer import Progress, StreamSnapshot
 from .graphs import Task, TaskRef
+from .interrupts import interrupts_deferred
 from .items import BadChunk, chunk_error
 from .loading import assemble_chunk
 from .placement import WorkerInfo, choose_worker, cluster_workers, scheduler_workers
@@ -630,10 +631,11 @@ class ClusterWalk:
         seen = len(self.outcome.records) - self._records_base
         timeout = _REPLY_GRACE_SECONDS * 12
         state, final = self._answer(self._actor.end(self._stream_id, seen), address, timeout)
-        self.outcome.state = state
-        self.outcome.records.extend(final.records)
-        self.outcome.n_empty = self._empty_base + final.n_empty
-        self.outcome.next_chunk = final.consumed
+        with interrupts_deferred():  # state, records and position change together
+            self.outcome.state = state
+            self.outcome.records.extend(final.records)
+            self.outcome.n_empty = self._empty_base + final.n_empty
+            self.outcome.next_chunk = final.consumed
         try:
             self._actor.close().result(timeout=timeout)
         except Exception:  # the state is back: a worker dying now costs nothing
@@ -780,12 +782,14 @@ class ClusterWalk:
                 # Chunks consumed after the last poll (an interrupted walk) are in
                 # the state, so their records must come back with it.
                 seen = len(self.outcome.records) - self._records_base
-                self.outcome.state, final = self._actor.end(self._stream_id, seen).result(
+                state, final = self._actor.end(self._stream_id, seen).result(
                     timeout=_REPLY_GRACE_SECONDS * 12
                 )
-                self.outcome.records.extend(final.records)
-                self.outcome.n_empty = self._empty_base + final.n_empty
-                self.outcome.next_chunk = final.consumed
+                with interrupts_deferred():  # state, records and position change together
+                    self.outcome.state = state
+                    self.outcome.records.extend(final.records)
+                    self.outcome.n_empty = self._empty_base + final.n_empty
+                    self.outcome.next_chunk = final.consumed
                 self._actor.close().result(timeout=_REPLY_GRACE_SECONDS * 12)
             except Exception as exc:  # the worker (or the scheduler) died while we were finishing
                 self._rewind()

@@ -43,6 +43,7 @@ from ..validation import (
 from .chunks import AlignedStream, ChunkGraph, align_stream
 from .consumer import STREAM_BLAS_THREADS, blas_limiter
 from .coordinator import LOADERS, ClusterOutcome, ClusterWalk, WalkCheckpoint
+from .interrupts import interrupts_deferred
 from .items import BadChunk, ChunkItem, EmptyChunk, chunk_error
 from .loading import assemble_chunk
 from .local import run_local
@@ -489,8 +490,10 @@ def _fit_local(
             writer.write(counts["next"], counts["empty"], stream.state(), records)
 
     def consume(item: ChunkItem, waited: float) -> None:
-        consume_one(item, waited)
-        counts["next"] = item.index + 1
+        # The chunk and the position after it go in together (see .interrupts).
+        with interrupts_deferred():
+            consume_one(item, waited)
+            counts["next"] = item.index + 1
         if writer.due(counts["next"]):
             checkpoint()
 
