@@ -449,12 +449,18 @@ def test_an_interrupt_inside_a_deferred_block_is_raised_once_the_block_is_done()
     from rh_dask.distributed.interrupts import interrupts_deferred
 
     done = []
-    with pytest.raises(KeyboardInterrupt):
-        with interrupts_deferred():
-            signal.raise_signal(signal.SIGINT)  # Ctrl-C between two steps of the block
-            done.append("second step")
-    assert done == ["second step"]
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
-    with interrupts_deferred():  # no interrupt: nothing raised
-        done.append("again")
-    assert done == ["second step", "again"]
+    # Python's own handler, as in an interactive session (a background job, such
+    # as CI under a non-interactive shell, starts with SIGINT ignored).
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            with interrupts_deferred():
+                signal.raise_signal(signal.SIGINT)  # Ctrl-C between two steps of the block
+                done.append("second step")
+        assert done == ["second step"]
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+        with interrupts_deferred():  # no interrupt: nothing raised
+            done.append("again")
+        assert done == ["second step", "again"]
+    finally:
+        signal.signal(signal.SIGINT, previous)
