@@ -198,12 +198,36 @@ def test_report_json_and_plots(tmp_path):
     assert saved["hardware"]["client"]["cpus"] >= 1 and saved["hardware"]["cluster"] is None
     assert saved["plots"] == ["coefficients.png", "convergence.png", "throughput.png"]
     assert saved["note"] == "test"
+    assert saved["recoveries"] == []  # nothing was lost
     for png in files[1:]:
         assert png.read_bytes()[:8] == PNG
     from matplotlib.image import imread
 
     height, width, _ = imread(files[1]).shape
     assert width > 600 and height > 400
+
+
+def test_the_report_lists_the_recoveries_of_a_resumed_fit(tmp_path):
+    from rh_dask.app.jobs import FitOutcome, Trajectory
+
+    X, y = StreamSpec(n_features=3, seed=4).chunk(0, 600)
+    Xd, yd = da.from_array(X, chunks=(100, 3)), da.from_array(y, chunks=100)
+    directory = tmp_path / "ckpt"
+    RenewableHuberRegressor(checkpoint_dir=directory, progress=False).fit(Xd, yd)
+    model = RenewableHuberRegressor(progress=False).fit(Xd, yd, resume_from=directory)
+    outcome = FitOutcome(
+        model=model,
+        history=model.history_,
+        trajectory=Trajectory.from_model(model),
+        seconds=0.1,
+        engine=model.engine_,
+    )
+    report = build_report(outcome, data={}, feature_names=["a", "b", "c"])
+    saved = json.loads(json.dumps(report))
+    [resumed] = saved["recoveries"]
+    assert resumed["kind"] == "resume" and resumed["from_chunk"] == 6
+    assert resumed["detect_seconds"] is None and resumed["time"].endswith("+00:00")
+    assert len(saved["history"]) == 6  # the checkpoint kept every batch
 
 
 def test_plots_survive_an_empty_report(tmp_path):

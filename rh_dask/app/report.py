@@ -118,6 +118,14 @@ def _coefficients_by_name(model: Any, names: list[str]) -> dict[str, float]:
     return out
 
 
+def _recoveries(model: Any) -> list[dict[str, Any]]:
+    """``recoveries_`` as records, times as ISO 8601 UTC text."""
+    records = model.recoveries_.to_dict(orient="records")
+    for record in records:
+        record["time"] = record["time"].isoformat()
+    return records
+
+
 def build_report(
     outcome: FitOutcome,
     *,
@@ -188,6 +196,7 @@ def build_report(
             "notes": outcome.notes,
         },
         "history": history.to_dict(orient="records"),
+        "recoveries": _recoveries(model),
         "coefficient_trajectory": {
             "names": names,
             "after_chunk": traj.after_chunk,
