@@ -61,7 +61,7 @@ from typing import Any
 import dask.config
 import numpy as np
 from common import environment, summarize, write_json
-from distributed_fit import SOURCE, dask_inputs, describe_cluster, write_dataset
+from distributed_fit import SOURCE, dask_inputs, describe_cluster, stop_cluster, write_dataset
 
 from rh_dask import RenewableHuberRegressor
 from rh_dask.checkpoint import checkpoint_bytes
@@ -128,17 +128,6 @@ def start_cluster(engine: str, threads: int) -> tuple[Any, Any, list[Any], str]:
         extra = client.sync(start)
     client.wait_for_workers(2, timeout=120)
     return cluster, client, extra, kind
-
-
-def stop_cluster(cluster: Any, client: Any, extra: list[Any]) -> None:
-    async def stop() -> None:
-        for nanny in extra:
-            await nanny.close()
-
-    if extra:
-        client.sync(stop)
-    client.close()
-    cluster.close()
 
 
 def worker_addresses(client: Any) -> list[str]:

@@ -44,7 +44,7 @@ from .config import HuberConfig
 from .engines import ENGINE_NAMES
 from .exceptions import CheckpointError, ValidationError
 from .state import BatchDiagnostics, HuberState
-from .stream import BatchRecord, Recovery
+from .stream import RECOVERY_COLUMNS, BatchRecord, Recovery
 
 __all__ = [
     "FORMAT",
@@ -80,16 +80,6 @@ _INTEGER_FIELDS = ("batch", "chunk", "rows", "iterations")
 #: Integers above this are not exact in float64.
 _MAX_EXACT = 2**53
 _RECOVERY_KINDS = ("worker-lost", "resume")
-_RECOVERY_FIELDS = (
-    "time",
-    "kind",
-    "lost_worker",
-    "new_worker",
-    "from_chunk",
-    "chunks_replayed",
-    "detect_seconds",
-    "recover_seconds",
-)
 #: Deflate expands data at most about 1032-fold: a compressed member claiming
 #: more bytes per stored byte than this is forged.
 _MAX_INFLATION = 1100
@@ -423,7 +413,7 @@ def _walk_arrays(records: Sequence[BatchRecord], n_params: int) -> dict[str, np.
 
 def _recovery_to_json(r: Recovery) -> dict[str, Any]:
     """A recovery as JSON; a NaN ``detect_seconds`` (a resume) is written as null."""
-    out = {name: getattr(r, name) for name in _RECOVERY_FIELDS}
+    out = {name: getattr(r, name) for name in RECOVERY_COLUMNS}
     for name in ("time", "detect_seconds", "recover_seconds"):
         value = float(out[name])
         out[name] = None if math.isnan(value) else value
@@ -435,9 +425,9 @@ def _recovery_to_json(r: Recovery) -> dict[str, Any]:
 def _recovery_from_json(index: int, raw: Any) -> Recovery:
     """Rebuild recovery ``index`` of a walk record, checking every field's type."""
     where = f"recovery {index}"
-    if not isinstance(raw, dict) or sorted(raw) != sorted(_RECOVERY_FIELDS):
+    if not isinstance(raw, dict) or sorted(raw) != sorted(RECOVERY_COLUMNS):
         keys = sorted(raw) if isinstance(raw, dict) else type(raw).__name__
-        raise ValidationError(f"{where} has fields {keys}, expected {sorted(_RECOVERY_FIELDS)}")
+        raise ValidationError(f"{where} has fields {keys}, expected {sorted(RECOVERY_COLUMNS)}")
     for name in ("kind", "lost_worker", "new_worker"):
         if not isinstance(raw[name], str):
             raise ValidationError(f"{where}: {name} is {raw[name]!r}, not a string")

@@ -91,24 +91,22 @@ exit codes:
 
 
 # -- argument parsing ---------------------------------------------------------------------
-def _positive_int(text: str) -> int:
+def _integer(text: str, least: int, expected: str) -> int:
     try:
         value = int(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+        raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}") from None
+    if value < least:
+        raise argparse.ArgumentTypeError(f"expected {expected}, got {value}")
     return value
+
+
+def _positive_int(text: str) -> int:
+    return _integer(text, 1, "a positive integer")
 
 
 def _count(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number >= 0, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected a whole number >= 0, got {value}")
-    return value
+    return _integer(text, 0, "a whole number >= 0")
 
 
 def _positive_float(text: str) -> float:
