@@ -1,0 +1,1194 @@
+"""Scale-out on one machine: the engine's worker fed by N loading workers, node by node.
+
+Emulates the nodes of a cluster with separate processes, each confined to its
+own cores (CPU affinity, ``taskset``): a scheduler, the engine's worker
+(``--resources GPU=1``), R relay workers (``--resources relay=1``) and N
+loading workers of c cores each, one ``dask worker`` process (no nanny) per
+role. A fresh cluster is started for every N. The dataset (rows × features
+float32 and a target) is written once to local disk in three forms: the
+NumPy stack read with ``pread`` (``distributed_fit.py``'s ``NpyRows``),
+Parquet (float32 columns, row groups of ``--chunk-rows``, several files) and
+Zarr v3 (row chunks of ``--chunk-rows``).
+
+Recorded per N and source: the fit's wall time for each loader (``relay``,
+``cluster``, ``actor``; median of ``--repeats`` after a warm-up), rows/s,
+engine busy fraction (engine seconds of ``history_`` over the wall), peak RSS
+per process and role (sampled), and whether the coefficients equal, bit for
+bit, a single-process loop of ``engine.partial_fit`` over the same chunks.
+Once: the per-worker load floor (the source decoded into C-contiguous
+float32 arrays in one process on c cores, no Dask) and the engine floor (the
+engine alone on preloaded chunks, pinned for the GPU engine). Per N: the
+transfer ceilings into the engine's node, over Dask's comm (N senders holding
+chunk-sized arrays, the engine's worker running tasks that depend on them)
+and over the relay path (the same senders, R relays, the shared-memory ring,
+a counting receiver in the engine's process). The issue's targets are
+computed from these: throughput / min(N × load floor, engine floor) (target
+≥ 0.8) and, at the largest N, throughput / (N × throughput at N = 1)
+(target ≥ 0.7 until the engine bound).
+
+Writes ``--output`` (JSON) and a scaling plot next to it (PNG; ``--plot-only
+A.json [B.json ...]`` draws one from earlier results).
+
+    # device (H200, 16 cores): the cheap source, N = 1, 2, 4, 8
+    python benchmarks/scale_out.py --engine gpu --sources pread \\
+        --output benchmarks/results/scale_out-h200-pread.json
+    # dev box (2 cores), NumPy engine, tiny sizes, cores shared
+    python benchmarks/scale_out.py --engine numpy --rows 200000 --chunk-rows 16384 \\
+        --loaders 1,2 --relays 1 --engine-cores 1 --allow-overlap --repeats 1 \\
+        --output benchmarks/results/scale_out-devbox.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import traceback
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import dask.config
+import numpy as np
+from common import environment, write_json
+from distributed_fit import (
+    REPEATS,
+    NpyRows,
+    bounds,
+    compare,
+    dask_inputs,
+    guarded,
+    median_run,
+    parse_settings,
+    run_engine_floor,
+    strip_private,
+    write_dataset,
+)
+
+SCHEMA = "rh-dask/bench/scale-out/1"
+SOURCES = ("pread", "parquet", "zarr")
+FIT_LOADERS = ("relay", "cluster", "actor")
+BENCH_DIR = Path(__file__).resolve().parent
+REPO_ROOT = BENCH_DIR.parent
+
+
+# -- the dataset in three forms ---------------------------------------------------------------
+def _cached(meta_path: Path, spec: dict[str, Any]) -> dict[str, Any] | None:
+    if meta_path.exists():
+        meta = json.loads(meta_path.read_text())
+        if meta.get("spec") == spec:
+            return meta
+    return None
+
+
+def write_parquet(
+    directory: Path, npy_dir: Path, chunk_rows: int, files: int, compression: str
+) -> dict[str, Any]:
+    """Parquet files ``part-NNNNN.parquet`` of whole row groups of ``chunk_rows`` rows.
+
+    Columns ``x0 .. x{p-1}`` and ``y``, in the stack's dtype. Every file but
+    the last holds the same number of whole row groups, so the row groups
+    are exactly the stack's chunks of ``chunk_rows`` rows.
+    """
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    X = np.load(npy_dir / "X.npy", mmap_mode="r")
+    y = np.load(npy_dir / "y.npy", mmap_mode="r")
+    rows, features = X.shape
+    spec = {
+        "source": str(npy_dir),
+        "rows": rows,
+        "features": features,
+        "chunk_rows": chunk_rows,
+        "files": files,
+        "compression": compression,
+    }
+    meta_path = directory.with_name(directory.name + ".json")  # beside: not a member
+    if (meta := _cached(meta_path, spec)) is not None:
+        return meta
+    shutil.rmtree(directory, ignore_errors=True)
+    directory.mkdir(parents=True)
+    groups_per_file = math.ceil(math.ceil(rows / chunk_rows) / files)
+    rows_per_file = groups_per_file * chunk_rows
+    names = [f"x{j}" for j in range(features)] + ["y"]
+
+    def write(i: int) -> int:
+        a, b = i * rows_per_file, min(rows, (i + 1) * rows_per_file)
+        if a >= b:
+            return 0
+        columns = np.ascontiguousarray(X[a:b].T)
+        arrays = [pa.array(columns[j]) for j in range(features)] + [pa.array(np.asarray(y[a:b]))]
+        table = pa.Table.from_arrays(arrays, names=names)
+        path = directory / f"part-{i:05d}.parquet"
+        pq.write_table(table, path, row_group_size=chunk_rows, compression=compression)
+        return path.stat().st_size
+
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(min(files, os.cpu_count() or 1)) as pool:
+        sizes = list(pool.map(write, range(files)))
+    meta = {
+        "spec": spec,
+        "path": str(directory),
+        "files": sum(1 for s in sizes if s),
+        "row_groups_per_file": groups_per_file,
+        "bytes_on_disk": sum(sizes),
+        "write_seconds": time.perf_counter() - t0,
+    }
+    meta_path.write_text(json.dumps(meta))
+    return meta
+
+
+def write_zarr(directory: Path, npy_dir: Path, chunk_rows: int) -> dict[str, Any]:
+    """A Zarr v3 group of arrays ``X`` (rows × features) and ``y``, row chunks of ``chunk_rows``.
+
+    zarr's default codecs (zstd).
+    """
+    import zarr
+
+    X = np.load(npy_dir / "X.npy", mmap_mode="r")
+    y = np.load(npy_dir / "y.npy", mmap_mode="r")
+    rows, features = X.shape
+    spec = {
+        "source": str(npy_dir),
+        "rows": rows,
+        "features": features,
+        "chunk_rows": chunk_rows,
+        "zarr": zarr.__version__,
+    }
+    meta_path = directory.with_name(directory.name + ".json")
+    if (meta := _cached(meta_path, spec)) is not None:
+        return meta
+    shutil.rmtree(directory, ignore_errors=True)
+    group = zarr.open_group(str(directory), mode="w", zarr_format=3)
+    zx = group.create_array("X", shape=X.shape, chunks=(chunk_rows, features), dtype=X.dtype)
+    zy = group.create_array("y", shape=y.shape, chunks=(chunk_rows,), dtype=y.dtype)
+
+    def write(b: tuple[int, int]) -> None:
+        zx[b[0] : b[1]] = np.asarray(X[b[0] : b[1]])
+        zy[b[0] : b[1]] = np.asarray(y[b[0] : b[1]])
+
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(os.cpu_count() or 1) as pool:
+        list(pool.map(write, bounds(rows, chunk_rows)))
+    on_disk = sum(f.stat().st_size for f in directory.rglob("*") if f.is_file())
+    meta = {
+        "spec": spec,
+        "path": str(directory),
+        "bytes_on_disk": on_disk,
+        "write_seconds": time.perf_counter() - t0,
+    }
+    meta_path.write_text(json.dumps(meta))
+    return meta
+
+
+def parquet_files(directory: Path) -> list[Path]:
+    return sorted(directory.glob("part-*.parquet"))
+
+
+def fit_inputs(
+    source: str, dirs: dict[str, Path], chunk_rows: int, rows: int
+) -> tuple[Any, Any, str]:
+    """``(X, y, reader)`` to fit: the first ``rows`` rows (whole chunks) of ``source``.
+
+    Parquet and Zarr go through ``rh_dask.read_parquet`` / ``rh_dask.read_zarr``
+    where the package has them, else through Dask's own readers (``reader``
+    says which).
+    """
+    import rh_dask
+
+    n_chunks = -(-rows // chunk_rows)
+    if source == "pread":
+        X, y = dask_inputs(dirs["npy"], chunk_rows, rows=rows)
+        return X, y, "distributed_fit.NpyRows (pread)"
+    if source == "parquet":
+        read = getattr(rh_dask, "read_parquet", None)
+        if read is not None:
+            frame = read(str(dirs["parquet"]), chunks="row-group")
+            reader = "rh_dask.read_parquet(chunks='row-group')"
+        else:
+            import dask.dataframe as dd
+
+            frame = dd.read_parquet(str(dirs["parquet"]), split_row_groups=True)
+            reader = "dask.dataframe.read_parquet(split_row_groups=True)"
+        if n_chunks < frame.npartitions:
+            frame = frame.partitions[:n_chunks]
+        return frame, "y", reader
+    if source == "zarr":
+        read = getattr(rh_dask, "read_zarr", None)
+        if read is not None:
+            stream = read(str(dirs["zarr"]), target="y", features=["X"])
+            X, y, reader = stream.X, stream.y, "rh_dask.read_zarr"
+        else:
+            import dask.array as da
+
+            X = da.from_zarr(str(dirs["zarr"]), component="X")
+            y = da.from_zarr(str(dirs["zarr"]), component="y")
+            reader = "dask.array.from_zarr"
+        return X[:rows], y[:rows], reader
+    raise ValueError(f"unknown source {source!r}")
+
+
+# -- the per-worker load floor (a subprocess on one loader's cores) --------------------------
+def _decode_chunks(source: str, dirs: dict[str, Path], chunk_rows: int, rows: int) -> list:
+    """Callables, one per chunk of the first ``rows`` rows, each decoding it to arrays."""
+    if source == "pread":
+        Xs, ys = NpyRows(str(dirs["npy"] / "X.npy")), NpyRows(str(dirs["npy"] / "y.npy"))
+        return [lambda a=a, b=b: (Xs[a:b], ys[a:b]) for a, b in bounds(rows, chunk_rows)]
+    if source == "parquet":
+        import pyarrow.parquet as pq
+
+        def group(path: Path, g: int) -> tuple[np.ndarray, np.ndarray]:
+            table = pq.ParquetFile(path).read_row_group(g, use_threads=False)
+            cols = [c.to_numpy() for c in table.columns]
+            return np.stack(cols[:-1], axis=1), cols[-1]
+
+        jobs = []
+        for path in parquet_files(dirs["parquet"]):
+            for g in range(pq.ParquetFile(path).num_row_groups):
+                jobs.append(lambda p=path, g=g: group(p, g))
+        return jobs[: -(-rows // chunk_rows)]
+    if source == "zarr":
+        import zarr
+
+        zx = zarr.open_array(str(dirs["zarr"] / "X"), mode="r")
+        zy = zarr.open_array(str(dirs["zarr"] / "y"), mode="r")
+        return [lambda a=a, b=b: (zx[a:b], zy[a:b]) for a, b in bounds(rows, chunk_rows)]
+    raise ValueError(f"unknown source {source!r}")
+
+
+def floor_main(args: argparse.Namespace) -> int:
+    """Decode ``--floor-rows`` rows of one source with ``--floor-threads`` threads; JSON out."""
+    dirs = {k: Path(v) for k, v in json.loads(args.floor_dirs).items()}
+    jobs = _decode_chunks(args.floor, dirs, args.chunk_rows, args.floor_rows)
+
+    def decode(job: Callable[[], tuple[np.ndarray, np.ndarray]]) -> tuple[int, int]:
+        X, y = job()
+        X = np.ascontiguousarray(X)
+        return int(X.shape[0]), int(X.nbytes + y.nbytes)
+
+    def once() -> dict[str, Any]:
+        t0 = time.perf_counter()
+        with ThreadPoolExecutor(args.floor_threads) as pool:
+            done = list(pool.map(decode, jobs))
+        wall = time.perf_counter() - t0
+        return {
+            "wall_seconds": wall,
+            "rows": sum(r for r, _ in done),
+            "bytes": sum(b for _, b in done),
+        }
+
+    once()  # warm-up: page cache, imports
+    result = median_run(once, args.repeats)
+    result["gb_per_second"] = result["bytes"] / result["wall_seconds"] / 1e9
+    result["threads"] = args.floor_threads
+    result["cpus"] = sorted(os.sched_getaffinity(0))
+    print(json.dumps(result), flush=True)
+    return 0
+
+
+def load_floor(
+    source: str, dirs: dict[str, Path], cores: list[int], args: argparse.Namespace
+) -> dict[str, Any]:
+    """The floor subprocess, confined to ``cores``."""
+    rows = min(args.floor_rows, args.fit_rows)
+    cmd = [
+        sys.executable,
+        str(Path(__file__).resolve()),
+        "--floor",
+        source,
+        "--floor-dirs",
+        json.dumps({k: str(v) for k, v in dirs.items()}),
+        "--chunk-rows",
+        str(args.chunk_rows),
+        "--floor-rows",
+        str(rows),
+        "--floor-threads",
+        str(len(set(cores))),
+        "--repeats",
+        str(args.repeats),
+    ]
+    proc = subprocess.run(
+        confined(cmd, cores), capture_output=True, text=True, env=process_env(len(set(cores)))
+    )
+    if proc.returncode != 0:
+        raise RuntimeError(f"load floor of {source} failed: {proc.stderr[-2000:]}")
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    out["rows_per_second"] = out["rows"] / out["wall_seconds"]
+    return out
+
+
+# -- cores and processes ----------------------------------------------------------------------
+def plan_cores(
+    cpus: list[int],
+    *,
+    control: int,
+    engine: int,
+    relays: int,
+    loaders: int,
+    per_loader: int,
+    allow_overlap: bool,
+) -> dict[str, Any] | str:
+    """Which CPUs each role gets, or why ``loaders`` loading workers do not fit.
+
+    Roles take consecutive CPUs: the control (scheduler and this process),
+    the engine's worker, each relay (one CPU), each loading worker. With
+    ``allow_overlap`` the CPUs are dealt round-robin when there are too few.
+    """
+    need = control + engine + relays + loaders * per_loader
+    if need > len(cpus) and not allow_overlap:
+        return (
+            f"needs {need} CPUs ({control} control + {engine} engine + {relays} relays + "
+            f"{loaders} x {per_loader} loading), {len(cpus)} available"
+        )
+    position = 0
+
+    def take(k: int) -> list[int]:
+        nonlocal position
+        got = sorted({cpus[(position + i) % len(cpus)] for i in range(k)})
+        position += k
+        return got
+
+    return {
+        "control": take(control),
+        "engine": take(engine),
+        "relays": [take(1) for _ in range(relays)],
+        "loaders": [take(per_loader) for _ in range(loaders)],
+        "cpus_needed": need,
+        "cpus_available": len(cpus),
+        "overlapping": need > len(cpus),
+    }
+
+
+def confined(cmd: list[str], cores: list[int]) -> list[str]:
+    """``cmd`` started under ``taskset`` on ``cores`` (affinity set after start without it)."""
+    if shutil.which("taskset"):
+        return ["taskset", "-c", ",".join(map(str, sorted(set(cores)))), *cmd]
+    return cmd
+
+
+def process_env(threads: int, gpu: bool = True) -> dict[str, str]:
+    env = dict(os.environ)
+    path = [str(REPO_ROOT), str(BENCH_DIR)]
+    if env.get("PYTHONPATH"):
+        path.append(env["PYTHONPATH"])
+    env["PYTHONPATH"] = os.pathsep.join(path)
+    for name in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
+        env[name] = str(threads)
+    if not gpu:
+        env["CUDA_VISIBLE_DEVICES"] = ""
+    return env
+
+
+def thread_affinity(pid: int) -> list[list[int]]:
+    """The distinct CPU sets of the threads of process ``pid``."""
+    sets = set()
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            sets.add(tuple(sorted(os.sched_getaffinity(int(tid)))))
+        except OSError:
+            pass
+    return [list(s) for s in sorted(sets)]
+
+
+class ProcessCluster:
+    """A scheduler and ``dask worker`` processes, each confined to its cores."""
+
+    def __init__(self, plan: dict[str, Any], args: argparse.Namespace, workdir: Path) -> None:
+        self.plan, self.args, self.workdir = plan, args, workdir
+        self.procs: dict[str, tuple[str, subprocess.Popen]] = {}  # name -> (role, process)
+        self.client: Any = None
+        self.address = ""
+
+    def _spawn(self, name: str, role: str, cmd: list[str], cores: list[int], env: dict) -> None:
+        with open(self.workdir / f"{name}.log", "w") as log:
+            proc = subprocess.Popen(
+                confined(cmd, cores), env=env, stdout=log, stderr=subprocess.STDOUT
+            )
+        if not shutil.which("taskset"):
+            os.sched_setaffinity(proc.pid, cores)
+        self.procs[name] = (role, proc)
+
+    def start(self) -> ProcessCluster:
+        from distributed import Client
+
+        sched_file = self.workdir / "scheduler.json"
+        cmd = [sys.executable, "-m", "distributed.cli.dask_scheduler", "--host", "127.0.0.1"]
+        cmd += ["--port", "0", "--no-dashboard", "--scheduler-file", str(sched_file)]
+        self._spawn("scheduler", "scheduler", cmd, self.plan["control"], process_env(1))
+        deadline = time.monotonic() + 60
+        while not sched_file.exists():
+            if time.monotonic() > deadline or self.procs["scheduler"][1].poll() is not None:
+                raise RuntimeError(f"the scheduler did not start: see {self.workdir}")
+            time.sleep(0.1)
+        time.sleep(0.2)  # the file is written whole before the scheduler listens
+        self.address = json.loads(sched_file.read_text())["address"]
+        # GPU=1 whatever the engine: the fits name this worker, the resource tells its role.
+        self._worker("engine", "engine", self.plan["engine"], {"GPU": 1}, gpu=True)
+        for i, cores in enumerate(self.plan["loaders"]):
+            self._worker(f"loader-{i}", "loader", cores, {}, gpu=False)
+        self.client = Client(self.address, direct_to_workers=True)
+        self.client.wait_for_workers(1 + len(self.plan["loaders"]), timeout=120)
+        return self
+
+    def _worker(self, name: str, role: str, cores: list[int], resources: dict, gpu: bool) -> None:
+        threads = len(cores)
+        cmd = [sys.executable, "-m", "distributed.cli.dask_worker", self.address]
+        cmd += ["--name", name, "--nthreads", str(threads), "--no-nanny"]
+        cmd += ["--memory-limit", "0", "--host", "127.0.0.1", "--no-dashboard"]
+        cmd += ["--local-directory", str(self.workdir / name)]
+        if resources:
+            cmd += ["--resources", ",".join(f"{k}={v}" for k, v in resources.items())]
+        self._spawn(name, role, cmd, cores, process_env(threads, gpu=gpu))
+
+    def add_relays(self) -> None:
+        resource = dask.config.get("rh-dask.relay.resource", "relay")
+        for i, cores in enumerate(self.plan["relays"]):
+            self._worker(f"relay-{i}", "relay", cores, {resource: 1}, gpu=False)
+        n = 1 + len(self.plan["loaders"]) + len(self.plan["relays"])
+        self.client.wait_for_workers(n, timeout=120)
+
+    def addresses(self) -> dict[str, str]:
+        """Worker name -> address."""
+        from rh_dask.distributed.placement import scheduler_workers
+
+        info = scheduler_workers(self.client)
+        return {str(w.get("name")): addr for addr, w in info.items()}
+
+    def describe(self) -> dict[str, Any]:
+        out = {}
+        addresses = self.addresses()
+        for name, (role, proc) in self.procs.items():
+            out[name] = {
+                "role": role,
+                "pid": proc.pid,
+                "address": addresses.get(name),
+                "thread_cpu_sets": thread_affinity(proc.pid) if proc.poll() is None else None,
+            }
+        return out
+
+    def pids(self) -> dict[str, tuple[str, int]]:
+        named = {name: (role, proc.pid) for name, (role, proc) in self.procs.items()}
+        named["client"] = ("client", os.getpid())
+        return named
+
+    def close(self) -> None:
+        if self.client is not None:
+            try:
+                self.client.close(timeout=10)
+            except Exception:  # the processes are ended below either way
+                pass
+        order = sorted(self.procs.items(), key=lambda item: item[1][0] == "scheduler")
+        for _, (_, proc) in order:
+            if proc.poll() is None:
+                proc.terminate()
+        for _, (_, proc) in order:
+            try:
+                proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+class RoleMemory:
+    """Peak RSS of each named process, sampled in a thread (``with`` one window)."""
+
+    def __init__(self, pids: dict[str, tuple[str, int]], interval: float = 0.05) -> None:
+        import psutil
+
+        self._procs = {}
+        for name, (role, pid) in pids.items():
+            try:
+                self._procs[name] = (role, psutil.Process(pid))
+            except psutil.Error:
+                pass
+        self._error = psutil.Error
+        self._interval = interval
+        self.peak: dict[str, int] = {}
+
+    def _sample(self) -> None:
+        for name, (_, proc) in self._procs.items():
+            try:
+                self.peak[name] = max(self.peak.get(name, 0), proc.memory_info().rss)
+            except self._error:
+                pass
+
+    @contextmanager
+    def window(self) -> Iterator[dict[str, Any]]:
+        self.peak = {}
+        report: dict[str, Any] = {}
+        stop = threading.Event()
+
+        def loop() -> None:
+            while not stop.wait(self._interval):
+                self._sample()
+
+        thread = threading.Thread(target=loop, daemon=True)
+        self._sample()
+        thread.start()
+        try:
+            yield report
+        finally:
+            stop.set()
+            thread.join()
+            self._sample()
+            report.update(self.by_role())
+
+    def by_role(self) -> dict[str, Any]:
+        roles: dict[str, dict[str, int]] = {}
+        for name, peak in self.peak.items():
+            roles.setdefault(self._procs[name][0], {})[name] = peak
+        return {
+            role: {
+                "max_peak_rss_bytes": max(named.values()),
+                "sum_peak_rss_bytes": sum(named.values()),
+                "processes": named,
+            }
+            for role, named in roles.items()
+        }
+
+
+# -- transfer ceilings ------------------------------------------------------------------------
+def _make_block(rows: int, cols: int, dtype: str, value: int) -> np.ndarray:
+    return np.full((rows, cols), value, dtype=dtype)
+
+
+def _nbytes(block: Any) -> int:
+    return int(getattr(block, "nbytes", 0))
+
+
+def comm_ceiling(
+    client: Any,
+    senders: list[str],
+    receiver: str,
+    chunk_rows: int,
+    cols: int,
+    dtype: str,
+    n_chunks: int,
+    maker: Callable[..., Any] = _make_block,
+) -> dict[str, Any]:
+    """Bytes/s into ``receiver`` over Dask's comm: tasks there depending on blocks elsewhere.
+
+    ``maker(rows, cols, dtype, i)`` builds block ``i`` on its sender (round
+    robin); the blocks exist before the clock starts. A block is released as
+    soon as its task on the receiver is done, so the receiver holds at most
+    what is in flight.
+    """
+    from distributed import as_completed, wait
+
+    blocks = [
+        client.submit(
+            maker, chunk_rows, cols, dtype, i, workers=[senders[i % len(senders)]], pure=False
+        )
+        for i in range(n_chunks)
+    ]
+    wait(blocks)
+    t0 = time.perf_counter()
+    tasks = {
+        client.submit(_nbytes, b, workers=[receiver], allow_other_workers=False, pure=False): b
+        for b in blocks
+    }
+    total = 0
+    for task in as_completed(tasks):
+        total += task.result()
+        tasks[task].release()
+        task.release()
+    wall = time.perf_counter() - t0
+    del blocks
+    return {
+        "senders": len(senders),
+        "chunks": n_chunks,
+        "chunk_bytes": total // n_chunks,
+        "bytes": total,
+        "wall_seconds": wall,
+        "gb_per_second": total / wall / 1e9,
+        "rows_per_second": n_chunks * chunk_rows / wall,
+    }
+
+
+def _make_item(rows: int, cols: int, dtype: str, index: int) -> Any:
+    """A loaded chunk of ``rows`` × ``cols - 1`` features plus a target, as a relay gets it."""
+    from rh_dask.distributed.items import LoadedChunk
+
+    X = np.full((rows, cols - 1), index % 7, dtype=dtype)
+    y = np.full(rows, index % 5, dtype=dtype)
+    return LoadedChunk(index=index, X=X, y=y, sample_weight=None)
+
+
+def _relay_receiver_open(
+    directory: str, n_slots: int, slot_bytes: int, dask_worker: Any = None
+) -> Any:
+    """On the engine's worker: a ring and a receiver that counts what it is handed."""
+    from rh_dask.distributed.items import LoadedChunk
+    from rh_dask.distributed.relay import RelayReceiver
+    from rh_dask.distributed.ring import ChunkRing
+
+    ring = ChunkRing.create(directory, n_slots, slot_bytes)
+    state: dict[str, Any] = {"count": 0, "bytes": 0, "rows": 0, "last": None, "other": []}
+    lock = threading.Lock()
+
+    def deliver(item: Any) -> None:
+        with lock:
+            if isinstance(item, LoadedChunk):
+                state["bytes"] += item.nbytes
+                state["rows"] += item.rows
+            else:
+                state["other"].append(repr(item)[:200])
+            state["count"] += 1
+            state["last"] = time.perf_counter()
+        ring.release(item.index)
+
+    receiver = RelayReceiver(ring, deliver)
+    receiver.start()
+    dask_worker._rh_scale_out_relay = (ring, receiver, state)
+    return ring.spec
+
+
+def _relay_receiver_seal(dask_worker: Any = None) -> None:
+    dask_worker._rh_scale_out_relay[1].seal()
+
+
+def _relay_receiver_state(dask_worker: Any = None) -> dict[str, Any]:
+    state = dict(dask_worker._rh_scale_out_relay[2])
+    state["clock"] = time.perf_counter()
+    return state
+
+
+def _relay_receiver_close(dask_worker: Any = None) -> None:
+    ring, receiver, _ = dask_worker.__dict__.pop("_rh_scale_out_relay")
+    receiver.close()
+    ring.close()
+
+
+def relay_ceiling(
+    client: Any,
+    senders: list[str],
+    relays: list[str],
+    receiver: str,
+    chunk_rows: int,
+    cols: int,
+    dtype: str,
+    n_chunks: int,
+    n_slots: int,
+) -> dict[str, Any]:
+    """Bytes/s from ``senders`` through ``relays`` and the ring into the engine's process.
+
+    Chunk ``i`` is written by relay ``i mod R``; the clock stops when the
+    receiver in the engine's process has been handed every chunk.
+    """
+    from distributed import wait
+
+    from rh_dask.distributed.relay import attach_relay, relay_chunk
+
+    itemsize = np.dtype(dtype).itemsize
+    slot_bytes = chunk_rows * cols * itemsize + (1 << 20)
+    directory = dask.config.get("rh-dask.relay.directory", "/dev/shm")
+    items = [
+        client.submit(
+            _make_item, chunk_rows, cols, dtype, i, workers=[senders[i % len(senders)]], pure=False
+        )
+        for i in range(n_chunks)
+    ]
+    wait(items)
+    spec = client.run(_relay_receiver_open, directory, n_slots, slot_bytes, workers=[receiver])[
+        receiver
+    ]
+    try:
+        attached = client.run(attach_relay, spec, workers=relays)
+        client.run(_relay_receiver_seal, workers=[receiver])
+        ok = [r for r in relays if attached.get(r)]
+        if not ok:
+            raise RuntimeError(f"no relay attached to the ring: {attached}")
+        t0_remote = client.run(_relay_receiver_state, workers=[receiver])[receiver]["clock"]
+        t0 = time.perf_counter()
+        tasks = [
+            client.submit(
+                relay_chunk,
+                item,
+                spec,
+                workers=[ok[i % len(ok)]],
+                allow_other_workers=False,
+                pure=False,
+            )
+            for i, item in enumerate(items)
+        ]
+        wait(tasks)
+        while True:
+            state = client.run(_relay_receiver_state, workers=[receiver])[receiver]
+            if state["count"] >= n_chunks or time.perf_counter() - t0 > 600:
+                break
+            time.sleep(0.002)
+        wall = time.perf_counter() - t0
+        remote_wall = (state["last"] or state["clock"]) - t0_remote
+        errors = [t.exception() for t in tasks if t.status == "error"]
+    finally:
+        client.run(_relay_receiver_close, workers=[receiver])
+    return {
+        "senders": len(senders),
+        "relays": len(ok),
+        "attached": attached,
+        "chunks": n_chunks,
+        "received_chunks": state["count"],
+        "not_loaded": state["other"][:5],
+        "task_errors": [repr(e) for e in errors[:5]],
+        "bytes": state["bytes"],
+        "wall_seconds": wall,
+        "receiver_wall_seconds": remote_wall,
+        "gb_per_second": state["bytes"] / wall / 1e9,
+        "rows_per_second": state["rows"] / wall,
+        "ring_slots": n_slots,
+        "slot_bytes": slot_bytes,
+    }
+
+
+# -- fits ------------------------------------------------------------------------------------
+class References:
+    """Coefficients of a single-process ``partial_fit`` loop, per chunk layout (cached)."""
+
+    def __init__(self, args: argparse.Namespace, npy_dir: Path) -> None:
+        self.args, self.npy_dir = args, npy_dir
+        self._cache: dict[tuple[int, ...], tuple[np.ndarray, float]] = {}
+
+    def coefficients(self, rows: list[int]) -> tuple[np.ndarray, float]:
+        """(coefficients, seconds) after one ``partial_fit`` per chunk of ``rows`` rows."""
+        key = tuple(rows)
+        if key not in self._cache:
+            from rh_dask import HuberConfig, make_engine
+            from rh_dask.distributed.consumer import STREAM_BLAS_THREADS, blas_limiter
+
+            Xs = NpyRows(str(self.npy_dir / "X.npy"))
+            ys = NpyRows(str(self.npy_dir / "y.npy"))
+            engine = make_engine(self.args.engine, HuberConfig(dtype=self.args.dtype))
+            t0, start = time.perf_counter(), 0
+            with blas_limiter(STREAM_BLAS_THREADS)():
+                for n in rows:
+                    engine.partial_fit(Xs[start : start + n], ys[start : start + n])
+                    start += n
+            self._cache[key] = (engine.coefficients(), time.perf_counter() - t0)
+        return self._cache[key]
+
+
+def run_fit(
+    args: argparse.Namespace,
+    inputs: tuple[Any, Any],
+    small: tuple[Any, Any],
+    loader: str,
+    worker: str,
+    memory: RoleMemory,
+) -> dict[str, Any]:
+    """One timed fit (after a warm-up fit of two chunks) with ``loader``."""
+    from rh_dask import RenewableHuberRegressor
+
+    params = dict(
+        engine=args.engine,
+        dtype=args.dtype,
+        loader=loader,
+        lookahead=args.lookahead,
+        worker=worker,
+        progress=False,
+    )
+    RenewableHuberRegressor(**params).fit(*small)
+    model = RenewableHuberRegressor(**params)
+    with memory.window() as mem:
+        t0 = time.perf_counter()
+        model.fit(*inputs)
+        wall = time.perf_counter() - t0
+    history = model.history_
+    rows = int(history["rows"].sum())
+    engine_seconds = float(history["seconds"].sum())
+    return {
+        "wall_seconds": wall,
+        "rows": rows,
+        "rows_per_second": rows / wall,
+        "chunks": len(history),
+        "engine_seconds": engine_seconds,
+        "engine_wait_seconds": float(history["wait_seconds"].sum()),
+        "engine_busy_fraction": engine_seconds / wall,
+        "placement": model.placement_,
+        "peak_rss": mem,
+        "_coef": model.state_.coefficients,
+        "_rows": [int(r) for r in history["rows"]],
+    }
+
+
+def fits_for(
+    entry: dict[str, Any],
+    args: argparse.Namespace,
+    loaders: list[str],
+    dirs: dict[str, Path],
+    engine_addr: str,
+    memory: RoleMemory,
+    refs: References,
+) -> None:
+    for source in args.sources:
+        inputs = fit_inputs(source, dirs, args.chunk_rows, args.fit_rows)
+        small = fit_inputs(source, dirs, args.chunk_rows, min(2 * args.chunk_rows, args.fit_rows))
+        methods = entry["sources"].setdefault(source, {"reader": inputs[2], "loaders": {}})
+        for loader in loaders:
+            record = methods["loaders"]
+            run = partial(run_fit, args, inputs[:2], small[:2], loader, engine_addr, memory)
+            guarded(record, loader, run)
+            result = record[loader]
+            print(
+                f"N={entry['n_loaders']} {source} {loader}: {result.get('wall_seconds')}",
+                flush=True,
+            )
+
+
+def check_coefficients(entry: dict[str, Any], refs: References) -> None:
+    """Each fit's coefficients against the single-process loop over the same chunks."""
+    for block in entry.get("sources", {}).values():
+        for result in block["loaders"].values():
+            if "_coef" in result:
+                coef, seconds = refs.coefficients(result.pop("_rows"))
+                result["coefficients_vs_single_process"] = compare(result.pop("_coef"), coef)
+                result["single_process_loop_seconds"] = seconds
+
+
+def summarize_entry(
+    entry: dict[str, Any], floors: dict[str, Any], engine_rps: float | None
+) -> None:
+    n = entry["n_loaders"]
+    for source, block in entry["sources"].items():
+        floor = floors.get(source, {}).get("rows_per_second")
+        for result in block["loaders"].values():
+            if "rows_per_second" not in result or floor is None:
+                continue
+            bound = n * floor if engine_rps is None else min(n * floor, engine_rps)
+            result["n_times_load_floor_rows_per_second"] = n * floor
+            result["bound_rows_per_second"] = bound
+            result["throughput_over_bound"] = result["rows_per_second"] / bound
+            result["target_ratio"] = result["rows_per_second"] / (0.8 * bound)
+            result["meets_target"] = result["target_ratio"] >= 1.0
+
+
+def summarize_scaling(payload: dict[str, Any]) -> dict[str, Any]:
+    """At the largest N: throughput / (N × throughput at N = 1), per source and loader."""
+    done = [e for e in payload["results"] if "sources" in e]
+    engine_rps = payload.get("engine_floor", {}).get("rows_per_second")
+    out: dict[str, Any] = {}
+    if not done:
+        return out
+    first = next((e for e in done if e["n_loaders"] == 1), None)
+    last = max(done, key=lambda e: e["n_loaders"])
+    n = last["n_loaders"]
+    for source, block in last["sources"].items():
+        for loader, result in block["loaders"].items():
+            one = (first or {}).get("sources", {}).get(source, {}).get("loaders", {}).get(loader)
+            if "rows_per_second" not in result or not one or "rows_per_second" not in one:
+                continue
+            ideal = n * one["rows_per_second"]
+            capped = ideal if engine_rps is None else min(ideal, engine_rps)
+            out[f"{source}/{loader}"] = {
+                "n_loaders": n,
+                "rows_per_second": result["rows_per_second"],
+                "rows_per_second_at_1": one["rows_per_second"],
+                "scaling": result["rows_per_second"] / ideal,
+                "scaling_engine_capped": result["rows_per_second"] / capped,
+                "meets_target": result["rows_per_second"] / capped >= 0.7,
+            }
+    four = next((e for e in done if e["n_loaders"] == 4), None)
+    relay4 = (four or {}).get("sources", {}).get("pread", {}).get("loaders", {}).get("relay", {})
+    if "rows_per_second" in relay4:
+        out["pread_relay_n4_rows_per_second"] = relay4["rows_per_second"]
+        out["pread_relay_n4_meets_18M"] = relay4["rows_per_second"] >= 18e6
+    return out
+
+
+# -- the plot ---------------------------------------------------------------------------------
+def plot(payloads: list[dict[str, Any]], path: Path) -> Path | None:
+    """rows/s against N per source and loader, with the ideal line capped at the engine floor."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed: no plot (use --plot-only elsewhere)", file=sys.stderr)
+        return None
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    engine_rps = None
+    for payload in payloads:
+        engine_rps = payload.get("engine_floor", {}).get("rows_per_second") or engine_rps
+        lines: dict[tuple[str, str], dict[int, float]] = {}
+        for entry in payload["results"]:
+            for source, block in entry.get("sources", {}).items():
+                for loader, result in block["loaders"].items():
+                    if "rows_per_second" in result:
+                        lines.setdefault((source, loader), {})[entry["n_loaders"]] = result[
+                            "rows_per_second"
+                        ]
+        for (source, loader), points in sorted(lines.items()):
+            ns = sorted(points)
+            ax.plot(ns, [points[n] / 1e6 for n in ns], marker="o", label=f"{source}, {loader}")
+            if loader == "relay" and 1 in points:
+                ideal = [n * points[1] for n in ns]
+                if engine_rps:
+                    ideal = [min(v, engine_rps) for v in ideal]
+                ax.plot(ns, [v / 1e6 for v in ideal], ls="--", lw=1, label=f"{source}, ideal")
+    if engine_rps:
+        ax.axhline(engine_rps / 1e6, color="k", lw=0.8, ls=":", label="engine floor")
+    ax.set_xlabel("loading workers N")
+    ax.set_ylabel("fit throughput (M rows/s)")
+    ax.set_xscale("log", base=2)
+    ax.legend(fontsize=7)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+# -- main -------------------------------------------------------------------------------------
+def ints(text: str) -> list[int]:
+    return [int(v) for v in text.split(",") if v]
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--engine", choices=["gpu", "numpy"], default="gpu")
+    p.add_argument("--rows", type=int, default=20_000_000)
+    p.add_argument("--features", type=int, default=90)
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--chunk-rows", type=int, default=262_144)
+    p.add_argument("--fit-rows", type=int, default=None, help="rows each fit covers (a prefix)")
+    p.add_argument("--data-dir", default=None, help="default: $TMPDIR/rh-dask-scale-out")
+    p.add_argument("--sources", default="pread,parquet,zarr")
+    p.add_argument("--loaders", default="1,2,4,8", help="numbers N of loading workers")
+    p.add_argument("--cores-per-loader", type=int, default=1)
+    p.add_argument("--relays", type=int, default=4)
+    p.add_argument("--engine-cores", type=int, default=2)
+    p.add_argument("--control-cores", type=int, default=1, help="scheduler and this process")
+    p.add_argument("--allow-overlap", action="store_true", help="share CPUs when too few")
+    p.add_argument("--compare", default=",".join(FIT_LOADERS), help="loaders to fit with")
+    p.add_argument("--lookahead", type=int, default=8)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--parquet-files", type=int, default=8)
+    p.add_argument("--parquet-compression", default="snappy")
+    p.add_argument("--floor-rows", type=int, default=4_194_304, help="rows of a load floor")
+    p.add_argument("--transfer-chunks", type=int, default=48, help="chunks per ceiling")
+    p.add_argument("--ring-slots", type=int, default=8)
+    p.add_argument("--skip", default="", help="comma list of: comm,relay-ceiling,floors")
+    p.add_argument("--config", default="", help="dask.config settings KEY=VALUE,...")
+    p.add_argument("--quick", action="store_true", help="smoke run: 1 repeat, few chunks")
+    p.add_argument("--plot-only", nargs="+", default=None, metavar="JSON")
+    p.add_argument("--output", default="benchmarks/results/scale_out.json")
+    # The load-floor subprocess (internal).
+    p.add_argument("--floor", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--floor-dirs", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--floor-threads", type=int, default=1, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.quick:
+        args.repeats = 1
+        args.transfer_chunks = min(args.transfer_chunks, 8)
+        args.floor_rows = min(args.floor_rows, 4 * args.chunk_rows)
+        args.fit_rows = min(args.fit_rows or args.rows, 16 * args.chunk_rows)
+    args.fit_rows = min(args.fit_rows or args.rows, args.rows)
+    if isinstance(args.sources, str):
+        args.sources = [s for s in args.sources.split(",") if s]
+    bad = set(args.sources) - set(SOURCES)
+    if bad:
+        p.error(f"unknown sources {sorted(bad)}; choose from {SOURCES}")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.floor:
+        return floor_main(args)
+    if args.plot_only:
+        payloads = [json.loads(Path(f).read_text()) for f in args.plot_only]
+        out = plot(payloads, Path(args.output).with_suffix(".png"))
+        print(f"plot: {out}")
+        return 0
+    with dask.config.set(parse_settings(args.config)):
+        return benchmark(args)
+
+
+def benchmark(args: argparse.Namespace) -> int:
+    from rh_dask import HuberConfig
+
+    REPEATS["n"] = args.repeats
+    skip = set(args.skip.split(",")) - {""}
+    loaders = [s for s in args.compare.split(",") if s]
+    root = Path(args.data_dir or Path(os.environ.get("TMPDIR", "/tmp")) / "rh-dask-scale-out")
+    npy_dir = root / f"npy-{args.rows}x{args.features}-{args.dtype}"
+    dirs = {"npy": npy_dir}
+    dataset = {"npy": write_dataset(npy_dir, args.rows, args.features, args.dtype)}
+    tag = f"{args.rows}x{args.features}-{args.dtype}-c{args.chunk_rows}"
+    if "parquet" in args.sources:
+        dirs["parquet"] = root / f"parquet-{tag}"
+        dataset["parquet"] = write_parquet(
+            dirs["parquet"], npy_dir, args.chunk_rows, args.parquet_files, args.parquet_compression
+        )
+    if "zarr" in args.sources:
+        dirs["zarr"] = root / f"zarr-{tag}"
+        dataset["zarr"] = write_zarr(dirs["zarr"], npy_dir, args.chunk_rows)
+    print(f"datasets ready: {json.dumps(dataset)}", flush=True)
+    cpus = sorted(os.sched_getaffinity(0))
+    payload: dict[str, Any] = {
+        "schema": SCHEMA,
+        "environment": environment(),
+        "arguments": vars(args),
+        "dataset": dataset,
+        "cpus": cpus,
+        "floors": {},
+        "results": [],
+    }
+    output = Path(args.output)
+    # The engine alone on preloaded chunks (pinned for the GPU engine), the whole machine free.
+    floor_record: dict[str, Any] = {}
+    run = lambda: run_engine_floor(  # noqa: E731
+        args,
+        npy_dir,
+        args.chunk_rows,
+        args.fit_rows,
+        HuberConfig(dtype=args.dtype),
+        pinned=args.engine == "gpu",
+    )
+    guarded(floor_record, "engine_floor", run)
+    payload["engine_floor"] = strip_private(floor_record["engine_floor"])
+    engine_rps = payload["engine_floor"].get("rows_per_second")
+    print(f"engine floor: {engine_rps} rows/s", flush=True)
+    # Per-worker load floors on the first loading worker's cores of the smallest plan.
+    plan1 = plan_cores(
+        cpus,
+        control=args.control_cores,
+        engine=args.engine_cores,
+        relays=args.relays,
+        loaders=1,
+        per_loader=args.cores_per_loader,
+        allow_overlap=args.allow_overlap,
+    )
+    if "floors" not in skip and isinstance(plan1, dict):
+        for source in args.sources:
+            guarded(
+                payload["floors"],
+                source,
+                lambda s=source: load_floor(s, dirs, plan1["loaders"][0], args),
+                repeats=1,
+            )
+            print(
+                f"load floor {source}: {payload['floors'][source].get('rows_per_second')}",
+                flush=True,
+            )
+    refs = References(args, npy_dir)
+    workdir = Path(tempfile.mkdtemp(prefix="rh-scale-out-"))
+    try:
+        for n in ints(args.loaders):
+            plan = plan_cores(
+                cpus,
+                control=args.control_cores,
+                engine=args.engine_cores,
+                relays=args.relays,
+                loaders=n,
+                per_loader=args.cores_per_loader,
+                allow_overlap=args.allow_overlap,
+            )
+            entry: dict[str, Any] = {"n_loaders": n, "cores_per_loader": args.cores_per_loader}
+            if isinstance(plan, str):
+                entry["skipped"] = plan
+                payload["results"].append(entry)
+                print(f"N={n} skipped: {plan}", flush=True)
+                continue
+            entry.update(cores=plan, sources={}, transfer={})
+            run_cluster(entry, args, plan, loaders, dirs, refs, workdir / f"n{n}", skip)
+            summarize_entry(entry, payload["floors"], engine_rps)
+            payload["results"].append(entry)
+            payload["scaling"] = summarize_scaling(payload)
+            write_json(output, strip_private(payload))
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+    payload["scaling"] = summarize_scaling(payload)
+    write_json(output, strip_private(payload))
+    print(json.dumps(payload["scaling"], indent=1), flush=True)
+    picture = plot([strip_private(payload)], output.with_suffix(".png"))
+    print(f"wrote {output}" + (f" and {picture}" if picture else ""), flush=True)
+    return 0
+
+
+def run_cluster(
+    entry: dict[str, Any],
+    args: argparse.Namespace,
+    plan: dict[str, Any],
+    loaders: list[str],
+    dirs: dict[str, Path],
+    refs: References,
+    workdir: Path,
+    skip: set[str],
+) -> None:
+    """One N: a fresh cluster, its transfer ceilings and fits (relays join for the relay runs)."""
+    workdir.mkdir(parents=True)
+    own = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, plan["control"])  # the client shares the scheduler's CPUs
+    cluster = ProcessCluster(plan, args, workdir)
+    cols = args.features + 1
+    try:
+        cluster.start()
+        names = cluster.addresses()
+        engine_addr = names["engine"]
+        senders = [names[f"loader-{i}"] for i in range(len(plan["loaders"]))]
+        client = cluster.client
+        if "comm" not in skip:
+            guarded(
+                entry["transfer"],
+                "dask_comm",
+                lambda: comm_ceiling(
+                    client,
+                    senders,
+                    engine_addr,
+                    args.chunk_rows,
+                    cols,
+                    args.dtype,
+                    args.transfer_chunks,
+                ),
+            )
+        others = [name for name in loaders if name != "relay"]
+        memory = RoleMemory(cluster.pids())
+        fits_for(entry, args, others, dirs, engine_addr, memory, refs)
+        if "relay" in loaders or "relay-ceiling" not in skip:
+            cluster.add_relays()
+            names = cluster.addresses()
+            relays = [names[f"relay-{i}"] for i in range(len(plan["relays"]))]
+            if "relay-ceiling" not in skip:
+                guarded(
+                    entry["transfer"],
+                    "relay",
+                    lambda: relay_ceiling(
+                        client,
+                        senders,
+                        relays,
+                        engine_addr,
+                        args.chunk_rows,
+                        cols,
+                        args.dtype,
+                        args.transfer_chunks,
+                        args.ring_slots,
+                    ),
+                )
+            if "relay" in loaders:
+                memory = RoleMemory(cluster.pids())
+                fits_for(entry, args, ["relay"], dirs, engine_addr, memory, refs)
+        entry["processes"] = cluster.describe()
+    except Exception as exc:  # keep the other N's numbers
+        entry["error"] = f"{type(exc).__name__}: {exc}"
+        entry["trace"] = traceback.format_exc()
+        print(f"N={entry['n_loaders']} failed: {exc}", file=sys.stderr, flush=True)
+    finally:
+        cluster.close()
+        os.sched_setaffinity(0, own)
+    check_coefficients(entry, refs)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
