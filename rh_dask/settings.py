@@ -136,6 +136,30 @@ def _flag(key: str, value: Any) -> bool:
     raise _refuse(key, "true or false", value)
 
 
+def _name(key: str, value: Any) -> str:
+    """A non-empty name (a worker resource)."""
+    if not isinstance(value, str) or not value.strip():
+        raise _refuse(key, "a non-empty name", value)
+    return value.strip()
+
+
+def _directory(key: str, value: Any) -> str:
+    """``"auto"`` or a directory path (not checked for existence here: it is the worker's)."""
+    if not isinstance(value, str) or not value.strip():
+        raise _refuse(key, '"auto" or a directory', value)
+    return value.strip()
+
+
+def _size_or_auto(key: str, value: Any) -> int:
+    """``"auto"`` (0) or a size >= 1."""
+    if isinstance(value, str) and value.strip().lower() == "auto":
+        return 0
+    size = _bytes(key, value)
+    if size < 1:
+        raise _refuse(key, '"auto" or a size >= 1 (bytes, or text such as "128 MiB")', value)
+    return size
+
+
 def in_process_max_rows() -> int:
     """The ``rh-dask.cli.in-process-max-rows`` setting, checked.
 
@@ -196,6 +220,18 @@ class Settings:
     worker_timeout : float
         ``rh-dask.recovery.worker-timeout``: seconds a recovery waits for a
         worker that can host the engine to appear.
+    relay_resource : str
+        ``rh-dask.relay.resource``: with ``loader="relay"``, the workers of
+        the engine's node advertising this resource relay its chunks (when
+        none does, all of that node's other workers); ``loader="auto"``
+        relays only through workers advertising it.
+    relay_directory : str
+        ``rh-dask.relay.directory``: where the engine's worker makes the
+        shared-memory chunk ring (``"auto"``: ``/dev/shm`` where it exists).
+    relay_slot_bytes : int
+        ``rh-dask.relay.slot-bytes``: bytes of one slot of the ring (0, from
+        ``"auto"``: the largest chunk of an array stream, 128 MiB for a
+        DataFrame stream; a larger chunk travels in a file of its own).
     """
 
     in_process_max_rows: int = 10_000_000
@@ -210,6 +246,9 @@ class Settings:
     checkpoint_every_seconds: float = 60.0
     max_retries: int = 3
     worker_timeout: float = 60.0
+    relay_resource: str = "relay"
+    relay_directory: str = "auto"
+    relay_slot_bytes: int = 0
 
     @classmethod
     def from_config(cls) -> Settings:
@@ -257,6 +296,9 @@ _KEYS: dict[str, tuple[str, Callable[[str, Any], Any]]] = {
         "rh-dask.recovery.worker-timeout",
         lambda key, value: _seconds(key, value, positive=True),
     ),
+    "relay_resource": ("rh-dask.relay.resource", _name),
+    "relay_directory": ("rh-dask.relay.directory", _directory),
+    "relay_slot_bytes": ("rh-dask.relay.slot-bytes", _size_or_auto),
 }
 
 

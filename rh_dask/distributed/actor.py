@@ -39,6 +39,8 @@ from .consumer import OrderedConsumer, Progress
 from .feeder import ChunkFeeder
 from .items import ChunkItem, LoadedChunk
 from .loading import assemble_chunk
+from .relay import RelayReceiver
+from .ring import ChunkRing, RingSpec, default_directory
 
 logger = logging.getLogger(__name__)
 
@@ -100,6 +102,7 @@ class EngineActor:
         self._pool = getattr(self._consumer.engine, "pinned_pool", None)
         self._closed = False
         self._feeder: ChunkFeeder | None = None
+        self._relay: tuple[ChunkRing, RelayReceiver] | None = None
 
     def begin(
         self,
@@ -129,12 +132,61 @@ class EngineActor:
         )
         self._feeder.start()
 
+    def open_relay(self, stream_id: str, start: int, n_slots: int, slot_bytes: int) -> RingSpec:
+        """Make the stream's shared-memory ring and listen for relays (``loader="relay"``).
+
+        Returns what relays attach with (:func:`~.relay.attach_relay`); the
+        coordinator then calls :meth:`seal_relay`. See :mod:`.relay`.
+
+        Raises
+        ------
+        RingError
+            When the ring's directory (``rh-dask.relay.directory``) cannot hold it.
+        """
+        self._close_relay()
+        directory = self.settings.relay_directory
+        if directory == "auto":
+            directory = default_directory()
+        ring = ChunkRing.create(directory, n_slots, slot_bytes, start)
+        try:
+            receiver = RelayReceiver(ring, lambda item: self._relayed(stream_id, ring, item))
+        except BaseException:
+            ring.close()
+            raise
+        receiver.start()
+        self._relay = (ring, receiver)
+        return ring.spec
+
+    def seal_relay(self) -> int:
+        """Stop accepting relays; the ring leaves the filesystem. Returns the relays connected."""
+        if self._relay is None:
+            return 0
+        _, receiver = self._relay
+        receiver.seal()
+        return receiver.connections
+
+    def _relayed(self, stream_id: str, ring: ChunkRing, item: ChunkItem) -> None:
+        """A chunk a relay put in the ring: staged, delivered, its slot freed once consumed."""
+        index = item.index
+        self._consumer.deliver(stream_id, self._pinned(item))
+        # The slot may take a later chunk once the engine is done with this
+        # one (or the stream stopped); the pinned copy, if made, needs it no more.
+        self._consumer.add_waiter(index + 1, lambda: ring.release(index))
+
+    def _close_relay(self) -> None:
+        if self._relay is not None:
+            ring, receiver = self._relay
+            self._relay = None
+            receiver.close()
+            ring.close()
+
     def end(self, stream_id: str, n_records: int = 0) -> tuple[HuberState | None, Progress]:
         """Stop the stream; the state after the last consumed chunk and the final progress."""
         try:
             return self._consumer.end(stream_id, n_records)
         finally:
             self._stop_feeder()
+            self._close_relay()
             self._restore_worker_settings()
 
     def _stop_feeder(self) -> None:
@@ -150,6 +202,7 @@ class EngineActor:
         self._closed = True
         self._restore_worker_settings()
         self._stop_feeder()
+        self._close_relay()
         clean = self._consumer.failure is None and self._consumer.running
         keep = self.settings.engine_keep if clean else 0.0
         shelf.park(self._shelf_key, self._consumer, keep)

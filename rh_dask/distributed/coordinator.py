@@ -14,6 +14,11 @@ Per stream the coordinator (running in the client's process)
      the actor's inbox;
    * ``loader="cluster"``: chunks load on any worker and only the finished
      batch travels, worker to worker, to the actor's worker;
+   * ``loader="relay"``: chunks load on the workers that are neither the
+     engine's nor relays, and each finished batch travels to a *relay*, a
+     worker on the engine's node, which writes it into the engine's
+     shared-memory ring (:mod:`.relay`): R relays receive over Dask's comm
+     in R processes, and the engine's process handles no message per chunk;
 3. long-polls the actor for progress (with tasks, one call per
    ``lookahead // 4`` consumed chunks, and releases consumed chunks' futures,
    so that look-ahead memory stays bounded by ``lookahead`` chunks);
@@ -42,10 +47,12 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+import dask.array as da
+import numpy as np
 from dask.highlevelgraph import HighLevelGraph, MaterializedLayer
 from distributed import Future, wait
 
@@ -67,8 +74,18 @@ from .graphs import Task, TaskRef
 from .interrupts import interrupts_deferred
 from .items import BadChunk, chunk_error
 from .loading import assemble_chunk
-from .placement import WorkerInfo, choose_worker, cluster_workers, scheduler_workers
+from .placement import (
+    WorkerInfo,
+    advertised_relays,
+    choose_worker,
+    cluster_workers,
+    loading_workers,
+    relay_candidates,
+    scheduler_workers,
+)
 from .progress import StreamProgress
+from .relay import attach_relay, relay_chunk
+from .ring import RingSpec
 
 #: Extra time a poll's answer may take, beyond the poll interval, before the
 #: actor's worker is checked. Not a setting: it only bounds how long a broken
@@ -81,7 +98,10 @@ _START_CHECK_SECONDS = 1.0
 #: setting: how long to look is (``rh-dask.recovery.worker-timeout``).
 _WORKER_CHECK_SECONDS = 0.25
 
-LOADERS = ("auto", "actor", "engine-worker", "cluster")
+LOADERS = ("auto", "actor", "engine-worker", "cluster", "relay")
+#: Slot size of a DataFrame stream's ring with ``rh-dask.relay.slot-bytes: auto``
+#: (partition lengths are not known before loading).
+FRAME_SLOT_BYTES = 128 << 20
 
 
 def feeder_threads(nthreads: int) -> int:
@@ -152,25 +172,42 @@ class ClusterOutcome:
 
 
 def resolve_loader(
-    loader: str, host: WorkerInfo, workers: list[WorkerInfo], self_contained: bool = True
+    loader: str,
+    host: WorkerInfo,
+    workers: list[WorkerInfo],
+    self_contained: bool = True,
+    relay_resource: str = "relay",
 ) -> str:
     """Map ``loader="auto"`` to where chunks load.
 
-    The engine's worker computing the chunks itself (``"actor"``) costs no
-    task, no message and no copy per chunk; it needs a graph that worker can
-    compute alone (no data persisted on the cluster). Otherwise tasks pinned
-    to the engine's worker avoid a worker-to-worker copy per chunk (≈1 GB/s
-    over TCP), which costs more than the load itself unless that worker has
-    a single thread and other workers exist to share the work.
+    Workers of the engine's node advertising ``relay_resource``, with
+    loading workers elsewhere, mean a cluster built for relaying: ``"relay"``.
+    Otherwise the engine's worker computing the chunks itself (``"actor"``)
+    costs no task, no message and no copy per chunk; it needs a graph that
+    worker can compute alone (no data persisted on the cluster). Otherwise
+    tasks pinned to the engine's worker avoid a worker-to-worker copy per
+    chunk (≈1 GB/s over TCP), which costs more than the load itself unless
+    that worker has a single thread and other workers exist to share the work.
 
     Raises
     ------
     ValidationError
-        For an unknown ``loader``, or ``"actor"`` with a graph referencing
-        persisted data.
+        For an unknown ``loader``, ``"actor"`` with a graph referencing
+        persisted data, or ``"relay"`` with no other worker on the engine's node.
     """
     if loader not in LOADERS:
         raise ValidationError(f"loader must be one of {LOADERS}, got {loader!r}")
+    if loader == "relay" and not relay_candidates(workers, host, relay_resource):
+        raise ValidationError(
+            f"loader='relay' needs a worker on the engine's node ({host.address}) besides the "
+            f"engine's own, to relay its chunks (start one with `dask worker SCHEDULER "
+            f"--resources {relay_resource}=1` on that node)"
+        )
+    if loader == "auto":
+        relays = advertised_relays(workers, host, relay_resource)
+        names = [w.address for w in relays]
+        if relays and set(w.address for w in loading_workers(workers, host, names)) - set(names):
+            return "relay"
     if loader == "actor" and not self_contained:
         raise ValidationError(
             "loader='actor' computes chunks on the engine's worker alone, but this "
@@ -341,6 +378,9 @@ class ClusterWalk:
         self._empty_base = 0
         self._bar_at = self.start  # chunks the progress bar has counted
         self._last_answer = time.monotonic()
+        self._ring: RingSpec | None = None
+        self._relays: list[str] = []
+        self._loaders: list[str] = []
 
     # -- setup ---------------------------------------------------------------------------
     def _start_actor(self, host: WorkerInfo) -> None:
@@ -389,7 +429,7 @@ class ClusterWalk:
                 "rh-load",
                 start,
             )
-        # "cluster" and "actor": the task's result is the item itself.
+        # "cluster", "relay" and "actor": the task's result is the item itself.
         return ChunkGraph(self.stream, assemble_chunk, spec, (), "rh-load", start)
 
     def _answer(self, call: Any, address: str, timeout: float | None = None) -> Any:
@@ -426,10 +466,69 @@ class ClusterWalk:
             self._answer(feed, host.address)
             self._last_answer = time.monotonic()
             return graph
+        if self._mode == "relay":
+            self._open_relays(host, start)
         if self._mode == "engine-worker" or graph is None or graph.start != start:
             graph = self._make_graph(self._mode, self._stream_id, start)
         self._last_answer = time.monotonic()
         return graph
+
+    # -- relays --------------------------------------------------------------------------
+    def _slot_bytes(self) -> int:
+        """A ring slot's size: the setting, else the largest chunk an array stream holds."""
+        if self.settings.relay_slot_bytes:
+            return self.settings.relay_slot_bytes
+        X = self.stream.parts[0]
+        rows = tuple(X.chunks[0]) if isinstance(X, da.Array) else ()
+        if not rows or any(r != r for r in rows) or self.stream.n_features is None:
+            return FRAME_SLOT_BYTES
+        itemsize = np.dtype(self.config.dtype).itemsize
+        # X, y and a weight column, each padded to the ring's alignment.
+        return int(max(rows)) * (int(self.stream.n_features) + 2) * itemsize + 3 * 64
+
+    def _open_relays(self, host: WorkerInfo, start: int) -> None:
+        """Make the engine's ring, attach the relays of its node, then seal it.
+
+        Raises
+        ------
+        EngineUnavailableError
+            When no worker of the engine's node could attach to the ring.
+        """
+        make = self._actor.open_relay(self._stream_id, start, self.lookahead, self._slot_bytes())
+        self._ring = self._answer(make, host.address)
+        workers = cluster_workers(self.client)
+        candidates = relay_candidates(workers, host, self.settings.relay_resource)
+        answers: dict[str, Any] = {}
+        if candidates:
+            answers = self.client.run(
+                attach_relay,
+                self._ring,
+                workers=[w.address for w in candidates],
+                on_error="return",
+            )
+        self._relays = sorted(a for a, ok in answers.items() if ok is True)
+        self._answer(self._actor.seal_relay(), host.address)
+        if not self._relays:
+            raise EngineUnavailableError(
+                f"loader='relay': none of the {len(candidates)} other worker(s) on the engine's "
+                f"node ({host.address}) could attach to its shared-memory ring in "
+                f"{self._ring.path!r} (they do not share that node's memory, or cannot open "
+                "the file; see rh-dask.relay.directory)"
+            )
+        self._loaders = [w.address for w in loading_workers(workers, host, self._relays)]
+        self.outcome.placement["relays"] = list(self._relays)
+        self.outcome.placement["loaders"] = list(self._loaders)
+
+    def _check_relays(self) -> None:
+        """Raise :class:`StreamError` once every relay of the stream is gone."""
+        alive = scheduler_workers(self.client)
+        if not any(r in alive for r in self._relays):
+            raise StreamError(
+                f"every relay worker of the engine's node was lost ({', '.join(self._relays)}); "
+                "the chunks in flight cannot reach the engine. Restart them, then resume "
+                "from the last checkpoint or refit with another loader",
+                self._consumed,
+            )
 
     # -- submissions -----------------------------------------------------------------
     def _submit(
@@ -441,6 +540,7 @@ class ClusterWalk:
         and the scheduler a round of graph handling.
         """
         pinned = {"workers": [address], "allow_other_workers": False}
+        loaders = _restricted(self._loaders) if mode == "relay" else {}
         layers: dict[str, MaterializedLayer] = {}
         deps: dict[str, set[str]] = {}
         wanted: list[Any] = []
@@ -449,7 +549,7 @@ class ClusterWalk:
             item_key = graph.keys[i]
             shared = graph.shared_owned(i)
             # Earlier chunks load first; the engine's order never depends on it.
-            load = {"priority": -i, **(pinned if mode == "engine-worker" else {})}
+            load = {"priority": -i, **(pinned if mode == "engine-worker" else loaders)}
             name = f"rh-load-{stream_id}-{i}"
             layers[name] = MaterializedLayer(graph.submission(i), annotations=load)
             deps[name] = set(deps)  # may reference shared keys of earlier chunks here
@@ -461,6 +561,15 @@ class ClusterWalk:
                 hand_over = f"rh-deliver-{stream_id}-{i}"
                 layers[hand_over] = MaterializedLayer(
                     {out: task}, annotations={"priority": -i, **pinned}
+                )
+                deps[hand_over] = {name}
+            elif mode == "relay":
+                # Loaded off the engine's node; a relay there puts it in the ring.
+                out = (f"rh-relay-{stream_id}", i)
+                task = Task(out, relay_chunk, TaskRef(item_key), self._ring)
+                hand_over = f"rh-relay-{stream_id}-{i}"
+                layers[hand_over] = MaterializedLayer(
+                    {out: task}, annotations={"priority": -i, **_restricted(self._relays)}
                 )
                 deps[hand_over] = {name}
             wanted += [out, *shared]
@@ -550,7 +659,9 @@ class ClusterWalk:
         if self.loader in ("auto", "actor"):
             graph = self._make_graph("actor", "", self.start)
         contained = graph is not None and graph.self_contained
-        self._mode = resolve_loader(self.loader, host, workers, contained)
+        self._mode = resolve_loader(
+            self.loader, host, workers, contained, self.settings.relay_resource
+        )
         self.outcome.placement = {
             "worker": host.address,
             "loader": self._mode,
@@ -612,6 +723,8 @@ class ClusterWalk:
             if broken is not None:
                 want = min(want, broken - consumed)
             snap = self._poll(consumed, len(records) - self._records_base, want, address)
+            if mode == "relay" and snap.consumed == consumed:
+                self._check_relays()
             self._release_through(graph, consumed, snap.consumed)
             records.extend(snap.records)
             self._count(snap)
@@ -812,6 +925,13 @@ class ClusterWalk:
         lost = _scheduler_gone(self.scheduler_address, self._consumed)
         lost.__cause__ = cause or error
         self.outcome.error = lost
+
+
+def _restricted(addresses: Sequence[str]) -> dict[str, Any]:
+    """Annotations keeping a task on ``addresses`` (none: anywhere)."""
+    if not addresses:
+        return {}
+    return {"workers": list(addresses), "allow_other_workers": False}
 
 
 def _chunk_failure(bad: BadChunk) -> StreamError:

@@ -16,6 +16,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from distributed.comm import get_address_host
+
 from ..exceptions import EngineUnavailableError
 
 #: The resource a GPU worker advertises (``dask cuda worker --resources GPU=1``).
@@ -91,3 +93,54 @@ def choose_worker(workers: list[WorkerInfo], engine: str, worker: str | None) ->
         return max(gpus, key=lambda w: w.nthreads)
     # NumPy engine: keep GPU workers free for GPU streams when there is a choice.
     return max(workers, key=lambda w: (not w.has_gpu, w.nthreads))
+
+
+def node_of(address: str) -> str:
+    """The host part of a worker's address (``tcp://10.0.0.5:4321`` -> ``10.0.0.5``)."""
+    try:
+        return get_address_host(address)
+    except ValueError:  # an inproc address of another process: its host part
+        return address.split("://", 1)[-1].split("/", 1)[0]
+
+
+def relay_candidates(
+    workers: list[WorkerInfo], host: WorkerInfo, resource: str
+) -> list[WorkerInfo]:
+    """The workers that may relay chunks to the engine on ``host`` (``loader="relay"``).
+
+    The workers on the engine's node other than its own: those advertising
+    ``resource`` when any worker of the cluster does, else all of them. Only
+    the address is compared here; attaching to the engine's ring confirms
+    that a candidate shares the node's memory (:mod:`.relay`).
+    """
+    node = node_of(host.address)
+    same = [w for w in workers if w.address != host.address and node_of(w.address) == node]
+    if any(w.resources.get(resource, 0) > 0 for w in workers):
+        return [w for w in same if w.resources.get(resource, 0) > 0]
+    return same
+
+
+def advertised_relays(
+    workers: list[WorkerInfo], host: WorkerInfo, resource: str
+) -> list[WorkerInfo]:
+    """The workers of the engine's node that advertise ``resource`` (``loader="auto"``)."""
+    node = node_of(host.address)
+    return [
+        w
+        for w in workers
+        if w.address != host.address
+        and node_of(w.address) == node
+        and w.resources.get(resource, 0) > 0
+    ]
+
+
+def loading_workers(
+    workers: list[WorkerInfo], host: WorkerInfo, relays: list[str]
+) -> list[WorkerInfo]:
+    """Where a relayed stream's chunks load: neither the engine's worker nor a relay.
+
+    When no such worker exists, the relays themselves load.
+    """
+    taken = {host.address, *relays}
+    others = [w for w in workers if w.address not in taken]
+    return others or [w for w in workers if w.address in relays]

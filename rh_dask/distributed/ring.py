@@ -1,0 +1,455 @@
+"""Shared-memory slots through which relay workers hand chunks to the engine's process.
+
+A :class:`ChunkRing` is one file in a memory-backed directory (``/dev/shm``
+by default, the ``rh-dask.relay.directory`` setting) that the engine's
+process creates and every relay worker on the same node maps. It holds
+``n_slots`` slots of ``slot_bytes`` each; chunk ``i`` goes into slot
+``i % n_slots``. A small header holds, per slot, the one chunk index the
+slot may take next (its *owner*): a relay writes chunk ``i`` only while the
+owner is ``i``, and the engine's side moves the owner to ``i + n_slots``
+once chunk ``i`` is consumed (:meth:`ChunkRing.release`). So a slot is
+never written while the engine may still read it, and a stale copy of a
+chunk (a task Dask ran twice) is dropped rather than written over a newer
+one. Owner changes and writes hold a lock on the slot's header bytes
+(``fcntl.lockf``, between processes).
+
+The whole ring is allocated when it is made (``posix_fallocate``), so a full
+``/dev/shm`` fails then, with an error, never later with a ``SIGBUS`` in a
+worker. A chunk larger than a slot travels in a file of its own beside the
+ring, which the engine's side unlinks as soon as it has mapped it.
+
+Nothing here knows about Dask: :mod:`.relay` moves the notes between
+processes, and tests drive the ring directly.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import mmap
+import os
+import secrets
+import tempfile
+import threading
+import time
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from ..exceptions import RhDaskError
+
+__all__ = [
+    "ChunkRing",
+    "PartLayout",
+    "RingError",
+    "RingSpec",
+    "RingWriter",
+    "SlotNote",
+    "default_directory",
+    "slot_layout",
+]
+
+_HEADER_BYTES = 4096
+_TOKEN_BYTES = 16
+_OWNER_OFFSET = 64
+_ALIGN = 64
+#: Seconds between looks at a slot's owner while a relay waits for the engine
+#: to release it (the coordinator submits chunk ``i`` once chunk
+#: ``i - n_slots`` is consumed, so the wait is the release's own latency).
+_OWNER_POLL_SECONDS = 0.0005
+
+
+class RingError(RhDaskError, OSError):
+    """The shared-memory ring cannot be made, attached or written.
+
+    An :class:`OSError` too: the causes are the filesystem's (no space in
+    the ring's directory, a directory that does not exist, another node's
+    worker that cannot see the file).
+    """
+
+
+def default_directory() -> str:
+    """``/dev/shm`` where it exists (Linux), else the temporary directory."""
+    return "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+
+
+@dataclass(frozen=True)
+class RingSpec:
+    """What a relay needs to attach to a ring (picklable, sent with every relay task).
+
+    Attributes
+    ----------
+    ring_id : str
+    path : str
+        The ring file (unlinked once every relay attached, see :meth:`ChunkRing.seal`).
+    socket : str
+        The engine's ``AF_UNIX`` listener for notes (:mod:`.relay`).
+    n_slots, slot_bytes : int
+    start : int
+        The first chunk of the stream: slot ``s`` first takes the chunk
+        ``i >= start`` with ``i % n_slots == s``.
+    token : bytes
+        Written at the start of the file; an attach checks it, so a worker
+        that maps another node's file of the same name is not taken as a relay.
+    authkey : bytes
+        The listener's key (``multiprocessing.connection``).
+    """
+
+    ring_id: str
+    path: str
+    socket: str
+    n_slots: int
+    slot_bytes: int
+    start: int
+    token: bytes
+    authkey: bytes
+
+    @property
+    def size(self) -> int:
+        return _HEADER_BYTES + self.n_slots * self.slot_bytes
+
+
+@dataclass(frozen=True)
+class PartLayout:
+    """Where one array of a chunk lies in its slot (or overflow file)."""
+
+    offset: int
+    shape: tuple[int, ...]
+    dtype: str
+
+    @property
+    def nbytes(self) -> int:
+        return int(np.prod(self.shape, dtype=np.int64)) * np.dtype(self.dtype).itemsize
+
+
+@dataclass(frozen=True)
+class SlotNote:
+    """A relay's message to the engine: chunk ``index`` is in ``slot``.
+
+    Attributes
+    ----------
+    index : int
+    slot : int
+        The slot, or -1 for a chunk in a file of its own (``overflow``).
+    parts : tuple of PartLayout or None
+        ``X``, ``y`` and ``sample_weight`` (``None`` where absent).
+    overflow : str or None
+        The file holding a chunk larger than a slot.
+    """
+
+    index: int
+    slot: int
+    parts: tuple[PartLayout | None, ...]
+    overflow: str | None = None
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.nbytes for p in self.parts if p is not None)
+
+
+def slot_layout(arrays: Sequence[np.ndarray | None]) -> tuple[tuple[PartLayout | None, ...], int]:
+    """The layout of ``arrays`` packed one after the other, and the bytes it takes."""
+    parts: list[PartLayout | None] = []
+    offset = 0
+    for a in arrays:
+        if a is None:
+            parts.append(None)
+            continue
+        parts.append(PartLayout(offset, tuple(int(n) for n in a.shape), a.dtype.str))
+        offset += -(-int(a.nbytes) // _ALIGN) * _ALIGN
+    return tuple(parts), offset
+
+
+def _allocate(fd: int, size: int, path: str) -> None:
+    """Give the file ``size`` bytes of backing now (ENOSPC here, not SIGBUS later)."""
+    try:
+        if hasattr(os, "posix_fallocate"):
+            os.posix_fallocate(fd, 0, size)
+        else:  # macOS: sparse, as the platform offers nothing better
+            os.ftruncate(fd, size)
+    except OSError as exc:
+        raise RingError(
+            f"cannot allocate {size / 2**20:.0f} MiB for the chunk ring {path!r}: {exc} "
+            "(make room in that directory, or set rh-dask.relay.directory or a smaller "
+            "lookahead / rh-dask.relay.slot-bytes)"
+        ) from exc
+
+
+def _views(buffer: Any, base: int, parts: Sequence[PartLayout | None]) -> list[np.ndarray | None]:
+    out: list[np.ndarray | None] = []
+    for p in parts:
+        if p is None:
+            out.append(None)
+            continue
+        count = int(np.prod(p.shape, dtype=np.int64))
+        flat = np.frombuffer(buffer, dtype=np.dtype(p.dtype), count=count, offset=base + p.offset)
+        out.append(flat.reshape(p.shape))
+    return out
+
+
+class _Mapped:
+    """An open, mapped ring file and its per-slot locks (both sides use one)."""
+
+    def __init__(self, fd: int, spec: RingSpec) -> None:
+        self.fd = fd
+        self.spec = spec
+        self.map = mmap.mmap(fd, spec.size)
+        self.owner = np.frombuffer(self.map, np.int64, spec.n_slots, _OWNER_OFFSET)
+        self._thread_locks = [threading.Lock() for _ in range(spec.n_slots)]
+
+    def slot_base(self, slot: int) -> int:
+        return _HEADER_BYTES + slot * self.spec.slot_bytes
+
+    def locked(self, slot: int) -> _SlotLock:
+        return _SlotLock(self, slot)
+
+    def close(self) -> None:
+        self.owner = None  # type: ignore[assignment]
+        try:
+            self.map.close()
+        except BufferError:
+            pass  # chunk views still in use keep the mapping; it goes with them
+        os.close(self.fd)
+
+
+class _SlotLock:
+    """The slot's lock: a thread lock in this process, ``lockf`` between processes.
+
+    ``lockf`` locks belong to the process, so threads of one process (a relay
+    writing two chunks) also take a thread lock.
+    """
+
+    def __init__(self, mapped: _Mapped, slot: int) -> None:
+        self._mapped = mapped
+        self._slot = slot
+
+    def __enter__(self) -> None:
+        self._mapped._thread_locks[self._slot].acquire()
+        try:
+            fcntl.lockf(self._mapped.fd, fcntl.LOCK_EX, 8, _OWNER_OFFSET + 8 * self._slot)
+        except BaseException:
+            self._mapped._thread_locks[self._slot].release()
+            raise
+
+    def __exit__(self, *exc: object) -> None:
+        try:
+            fcntl.lockf(self._mapped.fd, fcntl.LOCK_UN, 8, _OWNER_OFFSET + 8 * self._slot)
+        finally:
+            self._mapped._thread_locks[self._slot].release()
+
+
+class ChunkRing:
+    """The engine's side of a ring: made, read, released (see the module's text).
+
+    Build it with :meth:`create`.
+    """
+
+    def __init__(self, mapped: _Mapped) -> None:
+        self._mapped = mapped
+        self.spec = mapped.spec
+        self._sealed = False
+        self._closed = False
+
+    @classmethod
+    def create(cls, directory: str, n_slots: int, slot_bytes: int, start: int = 0) -> ChunkRing:
+        """Make a ring of ``n_slots`` slots of ``slot_bytes`` in ``directory``.
+
+        Raises
+        ------
+        RingError
+            When the directory cannot hold it (missing, no space).
+        """
+        if n_slots < 1 or slot_bytes < 1:
+            raise ValueError(
+                f"a ring needs n_slots >= 1 and slot_bytes >= 1, got {n_slots}, {slot_bytes}"
+            )
+        slot_bytes = -(-int(slot_bytes) // 4096) * 4096
+        ring_id = uuid.uuid4().hex
+        path = os.path.join(directory, f"rh-dask-ring-{ring_id}")
+        spec = RingSpec(
+            ring_id=ring_id,
+            path=path,
+            socket=path + ".sock",
+            n_slots=int(n_slots),
+            slot_bytes=slot_bytes,
+            start=int(start),
+            token=secrets.token_bytes(_TOKEN_BYTES),
+            authkey=secrets.token_bytes(32),
+        )
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        except OSError as exc:
+            raise RingError(f"cannot make the chunk ring {path!r}: {exc}") from exc
+        try:
+            _allocate(fd, spec.size, path)
+            mapped = _Mapped(fd, spec)
+        except BaseException:
+            os.close(fd)
+            os.unlink(path)
+            raise
+        mapped.map[:_TOKEN_BYTES] = spec.token
+        mapped.owner[:] = [start + (s - start) % n_slots for s in range(n_slots)]
+        return cls(mapped)
+
+    def parts(self, note: SlotNote) -> list[np.ndarray | None]:
+        """``[X, y, sample_weight]`` of a noted chunk, as views of the ring (no copy).
+
+        The views of a slot stay valid until :meth:`release` of the chunk; a
+        chunk in an overflow file is mapped here and its file unlinked at once
+        (the mapping lives as long as the views).
+        """
+        if note.overflow is None:
+            return _views(self._mapped.map, self._mapped.slot_base(note.slot), note.parts)
+        fd = os.open(note.overflow, os.O_RDONLY)
+        try:
+            size = os.fstat(fd).st_size
+            mapped = mmap.mmap(fd, size, prot=mmap.PROT_READ)
+        finally:
+            os.close(fd)
+            os.unlink(note.overflow)
+        return _views(mapped, 0, note.parts)
+
+    def release(self, index: int) -> None:
+        """Chunk ``index`` is consumed: its slot may take chunk ``index + n_slots``."""
+        if self._closed or index < self.spec.start:
+            return
+        slot = index % self.spec.n_slots
+        with self._mapped.locked(slot):
+            if self._mapped.owner[slot] == index:
+                self._mapped.owner[slot] = index + self.spec.n_slots
+
+    def seal(self) -> None:
+        """Remove the ring's name: relays attached already keep their mapping.
+
+        Once sealed, nothing of the ring stays on the filesystem, whatever
+        happens to the processes that map it.
+        """
+        if not self._sealed:
+            self._sealed = True
+            try:
+                os.unlink(self.spec.path)
+            except FileNotFoundError:
+                pass
+
+    def close(self) -> None:
+        """Unlink the ring (if not sealed) and unmap it; idempotent."""
+        if self._closed:
+            return
+        self.seal()
+        self._closed = True
+        self._mapped.close()
+
+
+class RingWriter:
+    """A relay's side of a ring: attach, then write chunks into their slots."""
+
+    def __init__(self, mapped: _Mapped) -> None:
+        self._mapped = mapped
+        self.spec = mapped.spec
+        self.closed = False
+
+    @classmethod
+    def attach(cls, spec: RingSpec) -> RingWriter:
+        """Map the ring ``spec`` names.
+
+        Raises
+        ------
+        RingError
+            When this process cannot see the ring (another node), or the file
+            of that name is not the ring (its token differs).
+        """
+        try:
+            fd = os.open(spec.path, os.O_RDWR)
+        except OSError as exc:
+            raise RingError(f"cannot open the chunk ring {spec.path!r}: {exc}") from exc
+        try:
+            if os.fstat(fd).st_size != spec.size:
+                raise RingError(
+                    f"{spec.path!r} is not the chunk ring {spec.ring_id} (its size differs)"
+                )
+            mapped = _Mapped(fd, spec)
+        except BaseException:
+            os.close(fd)
+            raise
+        if bytes(mapped.map[:_TOKEN_BYTES]) != spec.token:
+            mapped.close()
+            raise RingError(
+                f"{spec.path!r} is not the chunk ring {spec.ring_id} (its token differs)"
+            )
+        return cls(mapped)
+
+    def write(self, index: int, arrays: Sequence[np.ndarray | None]) -> SlotNote | None:
+        """Copy chunk ``index``'s arrays into its slot; ``None`` when it is stale.
+
+        Waits while the slot still holds an earlier chunk that the engine has
+        not released. A stale chunk (one consumed already) is not written.
+
+        Raises
+        ------
+        RingError
+            When the ring was closed meanwhile (the stream ended), or an
+            overflow file cannot be written.
+        """
+        parts, needed = slot_layout(arrays)
+        if needed > self.spec.slot_bytes:
+            return self._write_overflow(index, arrays, parts, needed)
+        slot = index % self.spec.n_slots
+        while True:
+            owners = self._mapped.owner
+            if self.closed or owners is None:
+                raise RingError(
+                    f"the chunk ring {self.spec.ring_id} was closed (the stream ended)"
+                )
+            owner = int(owners[slot])
+            if owner > index:
+                return None
+            if owner == index:
+                break
+            time.sleep(_OWNER_POLL_SECONDS)
+        base = self._mapped.slot_base(slot)
+        with self._mapped.locked(slot):
+            if int(self._mapped.owner[slot]) != index:
+                return None
+            for dst, src in zip(_views(self._mapped.map, base, parts), arrays, strict=True):
+                if dst is not None:
+                    np.copyto(dst, src, casting="no")
+        return SlotNote(index, slot, parts)
+
+    def _write_overflow(
+        self,
+        index: int,
+        arrays: Sequence[np.ndarray | None],
+        parts: tuple[PartLayout | None, ...],
+        needed: int,
+    ) -> SlotNote:
+        path = f"{self.spec.path}.x{index}.{uuid.uuid4().hex[:8]}"
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        except OSError as exc:
+            raise RingError(f"cannot make {path!r} for a chunk larger than a slot: {exc}") from exc
+        try:
+            _allocate(fd, max(needed, 1), path)
+            mapped = mmap.mmap(fd, max(needed, 1))
+            try:
+                for dst, src in zip(_views(mapped, 0, parts), arrays, strict=True):
+                    if dst is not None:
+                        np.copyto(dst, src, casting="no")
+            finally:
+                dst = None
+                try:
+                    mapped.close()
+                except BufferError:
+                    pass
+        except BaseException:
+            os.close(fd)
+            os.unlink(path)
+            raise
+        os.close(fd)
+        return SlotNote(index, -1, parts, overflow=path)
+
+    def close(self) -> None:
+        if not self.closed:
+            self.closed = True
+            self._mapped.close()
