@@ -9,7 +9,9 @@ The public API:
 * :func:`make_engine` and the :class:`Engine` protocol, for callers that drive
   an engine directly (benchmarks, actors);
 * the exceptions in :mod:`rh_dask.exceptions` and
-  :class:`~rh_dask.settings.SettingError`: every error a user can cause.
+  :class:`~rh_dask.settings.SettingError`: every error a user can cause;
+* :func:`read_parquet` and :func:`read_zarr` (:mod:`rh_dask.readers`), the
+  readers of Parquet datasets and Zarr stores.
 """
 
 from . import settings  # noqa: F401  (merges rh-dask.yaml into dask.config)
@@ -23,13 +25,16 @@ from .exceptions import (
     CheckpointError,
     DetachedFitError,
     EngineUnavailableError,
+    InputError,
     InputTypeError,
+    MissingExtraError,
     NotFittedError,
     RhDaskError,
     SchedulerLostError,
     StreamError,
     ValidationError,
 )
+from .readers import read_parquet, read_zarr
 from .settings import SettingError
 from .state import BatchDiagnostics, HuberState
 
@@ -43,7 +48,9 @@ __all__ = [
     "EngineUnavailableError",
     "HuberConfig",
     "HuberState",
+    "InputError",
     "InputTypeError",
+    "MissingExtraError",
     "NotFittedError",
     "NumpyEngine",
     "RenewableHuberRegressor",
@@ -54,4 +61,6 @@ __all__ = [
     "ValidationError",
     "__version__",
     "make_engine",
+    "read_parquet",
+    "read_zarr",
 ]

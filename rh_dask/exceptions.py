@@ -14,7 +14,9 @@ __all__ = [
     "CheckpointError",
     "DetachedFitError",
     "EngineUnavailableError",
+    "InputError",
     "InputTypeError",
+    "MissingExtraError",
     "NotFittedError",
     "RhDaskError",
     "SchedulerLostError",
@@ -123,3 +125,27 @@ class DetachedFitError(RhDaskError, LookupError):
     ``result()`` of a fit that was cancelled. A fit that failed raises its own
     error instead. Also a :class:`LookupError`.
     """
+
+
+class InputError(RhDaskError, ValueError):
+    """An input cannot be read as asked.
+
+    No such file, a glob that matches nothing, an unknown column or format, or
+    a bad file of a dataset: a Parquet file whose footer is corrupt, whose
+    schema differs from the first file's, or that lacks a requested column.
+    Raised by the readers (:mod:`rh_dask.readers`) before any chunk is
+    fitted, so a model is left as it was. Also a :class:`ValueError`.
+
+    Attributes
+    ----------
+    path : str or None
+        The file (or store) the error is about, when it is about one.
+    """
+
+    def __init__(self, message: str, path: str | None = None) -> None:
+        super().__init__(message)
+        self.path = path
+
+
+class MissingExtraError(RhDaskError, ImportError):
+    """An optional dependency is not installed; the message names the extra to install."""

@@ -9,13 +9,9 @@ from __future__ import annotations
 import importlib
 from types import ModuleType
 
-from ..exceptions import RhDaskError
+from ..exceptions import MissingExtraError
 
 __all__ = ["MissingExtraError", "require"]
-
-
-class MissingExtraError(RhDaskError, ImportError):
-    """An optional dependency is not installed; the message names the extra to install."""
 
 
 def require(module: str, extra: str, purpose: str) -> ModuleType:

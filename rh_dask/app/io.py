@@ -5,9 +5,9 @@ Inputs, by format (detected from the path, or given explicitly):
 ======== ======================================================= ===============================
 format   what the path names                                     read with
 ======== ======================================================= ===============================
-parquet  a file, a directory of files, or a glob                 ``dask.dataframe.read_parquet``
+parquet  a file, a directory of files, or a glob                 :func:`rh_dask.read_parquet`
 csv      a file or a glob                                        ``dask.dataframe.read_csv``
-zarr     a store holding one 2-D array, or a group of arrays     ``dask.array.from_zarr``
+zarr     a store holding one 2-D array, or a group of arrays     :func:`rh_dask.read_zarr`
 npy      a 2-D ``.npy`` file, a glob of them, or a directory     memory-mapped, one task a chunk
 ======== ======================================================= ===============================
 
@@ -18,7 +18,8 @@ chunks of the result are the batches of the stream: the partitions of a
 table, the chunks of a Zarr array, 65,536-row slices of ``.npy`` files, or
 exactly ``chunk_rows`` rows when that is given.
 
-Nothing is read here beyond metadata: every collection is lazy.
+Nothing is read here beyond metadata (every Parquet file's footer, checked
+by the reader): every collection is lazy.
 """
 
 from __future__ import annotations
@@ -34,7 +35,9 @@ from typing import Any
 import numpy as np
 from dask.utils import natural_sort_key
 
-from ..exceptions import RhDaskError
+from ..exceptions import InputError
+from ..readers import check_exclude, parquet_files, read_parquet, read_zarr
+from ..readers import select_columns as _select_columns
 from .extras import require
 
 __all__ = [
@@ -65,10 +68,6 @@ _SUFFIXES = (
     (".npy", "npy"),
 )
 _ZARR_MARKERS = ("zarr.json", ".zarray", ".zgroup")
-
-
-class InputError(RhDaskError, ValueError):
-    """The input cannot be read as asked: no such file, unknown column, unknown format."""
 
 
 @dataclass
@@ -169,8 +168,12 @@ def _local_paths(path: str, fmt: str) -> list[str]:
     """Files (or the store) that ``path`` names, globs expanded.
 
     Files come in natural order (``part.2`` before ``part.10``), the order in
-    which dask itself lists Parquet datasets, so every format agrees.
+    which dask itself lists datasets, so every format agrees. Parquet inputs
+    are listed by :func:`rh_dask.readers.parquet_files` (dataset directories
+    walked, URLs too).
     """
+    if fmt == "parquet":
+        return parquet_files(path)
     if _is_url(path):
         return [path]
     if glob.has_magic(path):
@@ -188,24 +191,11 @@ def _local_paths(path: str, fmt: str) -> list[str]:
     return [path]
 
 
-def _dataset_files(directory: str) -> list[str]:
-    """Data files of a Parquet dataset directory, as its readers see them.
-
-    Files and directories whose names start with ``_`` or ``.`` are not data
-    (``_metadata``, ``_SUCCESS``, ``.crc`` files), as in pyarrow's discovery;
-    partition subdirectories (``year=2024/``) are walked.
-    """
-    found = []
-    for root, dirs, names in os.walk(directory):
-        dirs[:] = [d for d in dirs if not d.startswith(("_", "."))]
-        found += [os.path.join(root, n) for n in names if not n.startswith(("_", "."))]
-    return sorted(found, key=natural_sort_key)
-
-
 def input_files(path: str | os.PathLike[str], fmt: str | None = None) -> list[str]:
     """The files an input is made of: globs expanded, Parquet directories listed.
 
-    A Zarr store counts as one file, and so does a URL (it is not listed).
+    A Zarr store counts as one file, and so does a URL of another format
+    than Parquet (it is not listed).
 
     Raises
     ------
@@ -214,44 +204,10 @@ def input_files(path: str | os.PathLike[str], fmt: str | None = None) -> list[st
     """
     path = os.fspath(path)
     fmt = fmt or detect_format(path)
-    files: list[str] = []
-    for entry in _local_paths(path, fmt):
-        if fmt == "parquet" and not _is_url(entry) and os.path.isdir(entry):
-            files += _dataset_files(entry)
-        else:
-            files.append(entry)
-    return files
+    return _local_paths(path, fmt)
 
 
 # -- column selection ---------------------------------------------------------------------
-def _parse_position(spec: str | int, width: int) -> list[int]:
-    """Column positions of ``spec`` (``3``, ``-1`` or ``a:b``), checked against ``width``."""
-    text = str(spec).strip()
-    try:
-        if ":" in text:
-            parts = [int(p) if p else None for p in text.split(":")]
-            if len(parts) > 3:
-                raise ValueError(text)
-            return list(range(width))[slice(*parts)]
-        index = int(text)
-    except ValueError:
-        raise InputError(
-            f"column {text!r} of a 2-D array must be a position (3, -1) or a range (0:20)"
-        ) from None
-    if not -width <= index < width:
-        raise InputError(f"column {index} is out of range for an array with {width} columns")
-    return [index % width]
-
-
-def _positions(specs: Sequence[str | int] | None, width: int) -> list[int] | None:
-    if specs is None:
-        return None
-    out: list[int] = []
-    for spec in specs:
-        out.extend(_parse_position(spec, width))
-    return out
-
-
 def _check_numeric(frame: Any, columns: Sequence[str], where: str) -> None:
     import pandas as pd
 
@@ -271,16 +227,14 @@ def _pandas_major() -> int:
     return int(pd.__version__.split(".")[0])
 
 
-def _read_frame(paths: list[str], fmt: str, path: str) -> Any:
+def _read_frame(paths: list[str], fmt: str, path: str, columns: list[str] | None) -> Any:
     # dask.dataframe itself needs pyarrow: check first, to say so in one line.
     require("pyarrow", "io", f"reading {'Parquet' if fmt == 'parquet' else 'CSV'}")
     import dask.dataframe as dd
 
     if fmt == "parquet":
-        try:
-            return dd.read_parquet(paths if len(paths) > 1 else paths[0])
-        except (OSError, ValueError) as exc:
-            raise InputError(f"cannot read {path!r} as Parquet: {exc}") from exc
+        # The reader checks every file's footer, schema and the asked columns.
+        return read_parquet(paths, columns)
     compressed = any(p.lower().endswith((".gz", ".bz2")) for p in paths)
     try:
         # assume_missing: integer-looking columns become float64 in every block,
@@ -325,17 +279,6 @@ def _refuse_header_only(paths: list[str], path: str) -> None:
     )
 
 
-def _check_exclude(
-    exclude: Sequence[str], features: Sequence[str], columns: list[str], where: str
-) -> None:
-    missing = [c for c in exclude if c not in columns]
-    if missing:
-        raise InputError(f"columns to exclude {missing} are not in {where} (columns: {columns})")
-    both = [c for c in exclude if c in features]
-    if both:
-        raise InputError(f"columns {both} are both features and excluded; choose one")
-
-
 def _frame_table(
     frame: Any,
     path: str,
@@ -360,7 +303,7 @@ def _frame_table(
         missing = [f for f in features if f not in columns]
         if missing:
             raise InputError(f"feature columns {missing} are not in {path!r} (columns: {columns})")
-    _check_exclude(exclude, features, columns, repr(path))
+    check_exclude(exclude, features, columns, repr(path))
     if not features:
         raise InputError(f"{path!r} has no feature columns left besides the target and weight")
     roles = [c for c in (target, weight) if c is not None]
@@ -446,6 +389,16 @@ def _npy_array(paths: list[str], chunk_rows: int | None) -> Any:
     return array
 
 
+def _table(stream: Any) -> Table:
+    return Table(
+        X=stream.X,
+        y=stream.y,
+        sample_weight=stream.sample_weight,
+        feature_names=list(stream.feature_names),
+        named=False,
+    )
+
+
 def _matrix_table(
     array: Any,
     path: str,
@@ -455,32 +408,16 @@ def _matrix_table(
     exclude: Sequence[str],
     chunk_rows: int | None,
 ) -> Table:
-    if array.ndim != 2:
-        raise InputError(f"{path!r} holds a {array.ndim}-D array; expected 2-D (rows, columns)")
-    width = int(array.shape[1])
-    if chunk_rows is not None:
-        array = array.rechunk((chunk_rows, -1))
-    else:
-        array = array.rechunk({1: -1})
-    t = None if target is None else _parse_position(target, width)[0]
-    w = None if weight is None else _parse_position(weight, width)[0]
-    cols = _positions(features, width)
-    excluded = _positions(exclude, width) or []
-    if cols is None:
-        skip = {t, w, *excluded}
-        cols = [j for j in range(width) if j not in skip]
-    elif set(cols) & set(excluded):
-        both = sorted(set(cols) & set(excluded))
-        raise InputError(f"columns {both} are both features and excluded; choose one")
-    if not cols:
-        raise InputError(f"{path!r} has no feature columns left besides the target and weight")
-    return Table(
-        X=array[:, cols],
-        y=None if t is None else array[:, t],
-        sample_weight=None if w is None else array[:, w],
-        feature_names=[f"x{j}" for j in cols],
-        named=False,
+    stream = _select_columns(
+        array,
+        path,
+        target=target,
+        features=features,
+        weight=weight,
+        exclude=exclude,
+        chunk_rows=chunk_rows,
     )
+    return _table(stream)
 
 
 def _zarr_table(
@@ -491,64 +428,16 @@ def _zarr_table(
     exclude: Sequence[str],
     chunk_rows: int | None,
 ) -> Table:
-    import dask.array as da
-
-    zarr = require("zarr", "io", "reading Zarr")
-    try:
-        node = zarr.open(store=path, mode="r")
-    except Exception as exc:  # zarr raises several unrelated types for "not a store"
-        raise InputError(f"cannot open {path!r} as a Zarr store: {exc}") from exc
-    if isinstance(node, zarr.Array):
-        return _matrix_table(
-            da.from_zarr(path), path, target, features, weight, exclude, chunk_rows
-        )
-    arrays = dict(node.arrays())
-    names = sorted(arrays)
-    for role, name in (("target", target), ("weight", weight)):
-        if name is not None and name not in arrays:
-            raise InputError(f"{role} array {name!r} is not in the Zarr group {path!r} ({names})")
-    if target is None:
-        raise InputError(f"choose the target array of the Zarr group {path!r} ({names})")
-    n_rows = int(arrays[target].shape[0])
-    exclude = [str(c) for c in exclude]
-    if features is None:
-        skip = {target, weight, *exclude}
-        features = [n for n in names if n not in skip and arrays[n].shape[:1] == (n_rows,)]
-    missing = [f for f in features if f not in arrays]
-    if missing:
-        raise InputError(f"feature arrays {missing} are not in the Zarr group {path!r} ({names})")
-    _check_exclude(exclude, features, names, f"the Zarr group {path!r}")
-    if not features:
-        raise InputError(f"the Zarr group {path!r} has no feature arrays of {n_rows} rows")
-
-    def load(name: str) -> Any:
-        arr = da.from_zarr(path, component=name)
-        if arr.shape[0] != n_rows or arr.ndim > 2:
-            raise InputError(
-                f"array {name!r} of {path!r} has shape {arr.shape}; expected {n_rows} rows "
-                "and at most 2 dimensions"
-            )
-        return arr
-
-    target_arr = load(target)
-    rows = chunk_rows if chunk_rows is not None else target_arr.chunks[0]
-
-    def column(arr: Any) -> Any:
-        return arr.reshape(-1) if arr.ndim == 2 and arr.shape[1] == 1 else arr
-
-    blocks, display = [], []
-    for name in features:
-        arr = load(name)
-        blocks.append(arr[:, None] if arr.ndim == 1 else arr)
-        display += [name] if arr.ndim == 1 else [f"{name}[{j}]" for j in range(arr.shape[1])]
-    X = da.concatenate(blocks, axis=1).rechunk({0: rows, 1: -1})
-    return Table(
-        X=X,
-        y=column(target_arr).rechunk({0: rows}),
-        sample_weight=None if weight is None else column(load(weight)).rechunk({0: rows}),
-        feature_names=display,
-        named=False,
+    require("zarr", "io", "reading Zarr")
+    stream = read_zarr(
+        path,
+        target=target,
+        features=features,
+        weight=weight,
+        exclude=exclude,
+        chunk_rows=chunk_rows,
     )
+    return _table(stream)
 
 
 # -- the entry point -----------------------------------------------------------------------
@@ -604,7 +493,11 @@ def open_table(
         raise InputError(f"unknown input format {fmt!r}; choose one of {INPUT_FORMATS}")
     paths = _local_paths(path, fmt)
     if fmt in ("parquet", "csv"):
-        frame = _read_frame(paths, fmt, path)
+        columns = None
+        if features is not None:  # read only these columns
+            named = [*features, target, weight]
+            columns = list(dict.fromkeys(str(c) for c in named if c is not None))
+        frame = _read_frame(paths, fmt, path, columns)
         table = _frame_table(
             frame, path, target, features, weight, exclude, chunk_rows, paths, fmt
         )
