@@ -117,7 +117,7 @@ def _same(a, b, assert_unchanged, snapshot):
 
 
 # -- equality with the plain loop ---------------------------------------------------
-@pytest.mark.parametrize("loader", ["actor", "engine-worker", "cluster"])
+@pytest.mark.parametrize("loader", ["actor", "engine-worker", "cluster", "relay"])
 def test_fit_equals_partial_fit_loop(client, loader, snapshot, assert_unchanged):
     X, y, w = _data(weights=True)
     chunks = (1000, 700, 1300, 1000, 2000)
@@ -176,7 +176,7 @@ def test_y_rechunked_to_x_rows(client, snapshot, assert_unchanged):
     _same(model, _loop(_row_blocks(X, y, None, [1000] * 3)), assert_unchanged, snapshot)
 
 
-@pytest.mark.parametrize("loader", ["actor", "engine-worker", "cluster"])
+@pytest.mark.parametrize("loader", ["actor", "engine-worker", "cluster", "relay"])
 def test_shared_reduction_in_the_graph(client, loader, snapshot, assert_unchanged):
     # Every chunk depends on a global mean: computed once, held across refills.
     X, y, _ = _data(n=3_000, seed=5)
@@ -301,7 +301,7 @@ def test_all_empty_collection_is_refused(client):
         )
 
 
-@pytest.mark.parametrize("loader", ["actor", "engine-worker", "cluster"])
+@pytest.mark.parametrize("loader", ["actor", "engine-worker", "cluster", "relay"])
 def test_bad_chunk_stops_in_front_of_it_then_partial_fit_continues(
     client, loader, snapshot, assert_unchanged
 ):
@@ -329,7 +329,7 @@ def _fail_chunk_3(block, block_info=None):
     return block
 
 
-@pytest.mark.parametrize("loader", ["actor", "engine-worker", "cluster"])
+@pytest.mark.parametrize("loader", ["actor", "engine-worker", "cluster", "relay"])
 def test_failing_task_names_the_chunk(client, snapshot, assert_unchanged, loader):
     X, y, _ = _data(n=3_000, seed=11)
     Xd = da.from_array(X, chunks=(500, 5)).map_blocks(_fail_chunk_3, dtype=X.dtype)
@@ -348,7 +348,7 @@ def _refuse_chunk_1(block, block_info=None):
     return block
 
 
-@pytest.mark.parametrize("loader", ["actor", "engine-worker", "cluster"])
+@pytest.mark.parametrize("loader", ["actor", "engine-worker", "cluster", "relay"])
 def test_a_task_refusing_its_data_is_a_bad_chunk(client, snapshot, assert_unchanged, loader):
     X, y, _ = _data(n=1_500, seed=28)
     Xd = da.from_array(X, chunks=(500, 5)).map_blocks(_refuse_chunk_1, dtype=X.dtype)
@@ -359,7 +359,7 @@ def test_a_task_refusing_its_data_is_a_bad_chunk(client, snapshot, assert_unchan
     _same(model, _loop(_row_blocks(X, y, None, [500])), assert_unchanged, snapshot)
 
 
-@pytest.mark.parametrize("loader", ["actor", "cluster"])
+@pytest.mark.parametrize("loader", ["actor", "cluster", "relay"])
 def test_a_refused_fit_on_the_cluster_keeps_the_fitted_model(
     client, snapshot, assert_unchanged, loader
 ):

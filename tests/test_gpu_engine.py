@@ -764,6 +764,53 @@ def test_distributed_fit_on_a_cuda_cluster_with_each_loader(tmp_path, monkeypatc
         assert model.state_.batch_count == 3
 
 
+def test_relayed_fit_on_a_gpu_worker_equals_the_loop(tmp_path):
+    """loader="relay": loads on a CPU worker, two relays write into the GPU worker's ring."""
+    da = pytest.importorskip("dask.array")
+    import dask.config
+    from distributed import Client, Nanny, Scheduler, SpecCluster
+
+    from rh_dask.exceptions import StreamError
+
+    spec = StreamSpec(n_features=12, seed=5)
+    X, y = spec.chunk(0, 60_000, "float32")
+    ref = RenewableHuberRegressor(engine="gpu", dtype="float32")
+    for start in range(0, 60_000, 5_000):
+        ref.partial_fit(X[start : start + 5_000], y[start : start + 5_000])
+    relay = {"cls": Nanny, "options": {"nthreads": 1, "resources": {"relay": 1}}}
+    workers = {
+        "gpu": {"cls": Nanny, "options": {"nthreads": 2, "resources": {"GPU": 1}}},
+        "relay-0": relay,
+        "relay-1": relay,
+        "loader": {"cls": Nanny, "options": {"nthreads": 2}},
+    }
+    scheduler = {"cls": Scheduler, "options": {"dashboard_address": ":0"}}
+    with (
+        dask.config.set({"rh-dask.relay.directory": str(tmp_path)}),
+        SpecCluster(workers=workers, scheduler=scheduler) as cluster,
+        Client(cluster, direct_to_workers=True) as client,
+    ):
+        client.wait_for_workers(4)
+        Xd, yd = da.from_array(X, chunks=(5_000, 12)), da.from_array(y, chunks=5_000)
+        for loader in ("relay", "auto"):
+            model = RenewableHuberRegressor(
+                engine="gpu", dtype="float32", loader=loader, progress=False
+            )
+            model.fit(Xd, yd)
+            assert model.placement_["loader"] == "relay"
+            assert len(model.placement_["relays"]) == 2
+            np.testing.assert_array_equal(model.state_.coefficients, ref.state_.coefficients)
+            np.testing.assert_array_equal(model.coef_history_, ref.coef_history_)
+        # The device's finiteness check refuses a relayed chunk, naming it.
+        X_bad = X.copy()
+        X_bad[27_000, 3] = np.nan
+        model = RenewableHuberRegressor(engine="gpu", dtype="float32", loader="relay")
+        with pytest.raises(StreamError, match=r"chunk 5 was refused.*finite"):
+            model.set_params(progress=False).fit(da.from_array(X_bad, chunks=(5_000, 12)), yd)
+        assert model.state_.batch_count == 5
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith("rh-dask-ring")]
+
+
 def test_pinned_pool_without_waiting_grows_in_the_background():
     import time
 
