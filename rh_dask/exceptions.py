@@ -19,6 +19,7 @@ __all__ = [
     "MissingExtraError",
     "NotFittedError",
     "RhDaskError",
+    "RingError",
     "SchedulerLostError",
     "StreamError",
     "ValidationError",
@@ -149,3 +150,12 @@ class InputError(RhDaskError, ValueError):
 
 class MissingExtraError(RhDaskError, ImportError):
     """An optional dependency is not installed; the message names the extra to install."""
+
+
+class RingError(RhDaskError, OSError):
+    """The shared-memory chunk ring of ``loader="relay"`` cannot be made, attached or written.
+
+    An :class:`OSError` too: the causes are the filesystem's (no space in
+    ``rh-dask.relay.directory``, a directory that does not exist, a worker of
+    another node that cannot see the ring's file).
+    """

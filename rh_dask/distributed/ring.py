@@ -38,7 +38,7 @@ from typing import Any
 
 import numpy as np
 
-from ..exceptions import RhDaskError
+from ..exceptions import RingError
 
 __all__ = [
     "ChunkRing",
@@ -59,15 +59,6 @@ _ALIGN = 64
 #: to release it (the coordinator submits chunk ``i`` once chunk
 #: ``i - n_slots`` is consumed, so the wait is the release's own latency).
 _OWNER_POLL_SECONDS = 0.0005
-
-
-class RingError(RhDaskError, OSError):
-    """The shared-memory ring cannot be made, attached or written.
-
-    An :class:`OSError` too: the causes are the filesystem's (no space in
-    the ring's directory, a directory that does not exist, another node's
-    worker that cannot see the file).
-    """
 
 
 def default_directory() -> str:
