@@ -45,6 +45,7 @@ import json
 import math
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -631,9 +632,11 @@ def _relay_receiver_open(
     """On the engine's worker: a ring and a receiver that counts what it is handed."""
     from rh_dask.distributed.items import LoadedChunk
     from rh_dask.distributed.relay import RelayReceiver
-    from rh_dask.distributed.ring import ChunkRing
+    from rh_dask.distributed.ring import ChunkRing, default_directory
 
-    ring = ChunkRing.create(directory, n_slots, slot_bytes)
+    ring = ChunkRing.create(
+        default_directory() if directory == "auto" else directory, n_slots, slot_bytes
+    )
     state: dict[str, Any] = {"count": 0, "bytes": 0, "rows": 0, "last": None, "other": []}
     lock = threading.Lock()
 
@@ -688,11 +691,11 @@ def relay_ceiling(
     """
     from distributed import wait
 
-    from rh_dask.distributed.relay import attach_relay, relay_chunk
+    from rh_dask.distributed.relay import attach_relay, detach_relay, relay_chunk
 
     itemsize = np.dtype(dtype).itemsize
     slot_bytes = chunk_rows * cols * itemsize + (1 << 20)
-    directory = dask.config.get("rh-dask.relay.directory", "/dev/shm")
+    directory = dask.config.get("rh-dask.relay.directory", "auto")
     items = [
         client.submit(
             _make_item, chunk_rows, cols, dtype, i, workers=[senders[i % len(senders)]], pure=False
@@ -732,6 +735,7 @@ def relay_ceiling(
         remote_wall = (state["last"] or state["clock"]) - t0_remote
         errors = [t.exception() for t in tasks if t.status == "error"]
     finally:
+        client.run(detach_relay, spec.ring_id, workers=relays)
         client.run(_relay_receiver_close, workers=[receiver])
     return {
         "senders": len(senders),
@@ -1002,8 +1006,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
+def _terminated(signum: int, frame: Any) -> None:
+    raise SystemExit(f"stopped by signal {signum}")  # so that the clusters' processes end
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    signal.signal(signal.SIGTERM, _terminated)
     if args.floor:
         return floor_main(args)
     if args.plot_only:
