@@ -920,11 +920,14 @@ def plot(payloads: list[dict[str, Any]], path: Path) -> Path | None:
     except ImportError:
         print("matplotlib is not installed: no plot (use --plot-only elsewhere)", file=sys.stderr)
         return None
-    fig, ax = plt.subplots(figsize=(7, 4.5))
+    fig, ax = plt.subplots(figsize=(8, 4.8))
+    colors = {"pread": "tab:blue", "parquet": "tab:orange", "zarr": "tab:green"}
+    styles = {"relay": ("-", "o"), "cluster": ("-.", "s"), "actor": (":", "^")}
+    # One line per source and loader; a source measured by several files keeps the last.
+    lines: dict[tuple[str, str], dict[int, float]] = {}
     engine_rps = None
     for payload in payloads:
         engine_rps = payload.get("engine_floor", {}).get("rows_per_second") or engine_rps
-        lines: dict[tuple[str, str], dict[int, float]] = {}
         for entry in payload["results"]:
             for source, block in entry.get("sources", {}).items():
                 for loader, result in block["loaders"].items():
@@ -932,20 +935,37 @@ def plot(payloads: list[dict[str, Any]], path: Path) -> Path | None:
                         lines.setdefault((source, loader), {})[entry["n_loaders"]] = result[
                             "rows_per_second"
                         ]
-        for (source, loader), points in sorted(lines.items()):
-            ns = sorted(points)
-            ax.plot(ns, [points[n] / 1e6 for n in ns], marker="o", label=f"{source}, {loader}")
-            if loader == "relay" and 1 in points:
-                ideal = [n * points[1] for n in ns]
-                if engine_rps:
-                    ideal = [min(v, engine_rps) for v in ideal]
-                ax.plot(ns, [v / 1e6 for v in ideal], ls="--", lw=1, label=f"{source}, ideal")
+    for (source, loader), points in sorted(lines.items()):
+        ns = sorted(points)
+        ls, marker = styles.get(loader, ("-", "x"))
+        color = colors.get(source)
+        ax.plot(
+            ns,
+            [points[n] / 1e6 for n in ns],
+            ls=ls,
+            marker=marker,
+            color=color,
+            label=f"{source}, {loader}",
+        )
+        if loader == "relay" and 1 in points:
+            ideal = [n * points[1] for n in ns]
+            if engine_rps:
+                ideal = [min(v, engine_rps) for v in ideal]
+            ax.plot(
+                ns,
+                [v / 1e6 for v in ideal],
+                ls="--",
+                lw=0.8,
+                color=color,
+                alpha=0.6,
+                label=f"{source}, ideal (N x relay at N=1)",
+            )
     if engine_rps:
         ax.axhline(engine_rps / 1e6, color="k", lw=0.8, ls=":", label="engine floor")
     ax.set_xlabel("loading workers N")
     ax.set_ylabel("fit throughput (M rows/s)")
     ax.set_xscale("log", base=2)
-    ax.legend(fontsize=7)
+    ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5))
     ax.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
