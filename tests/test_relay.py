@@ -1,0 +1,514 @@
+"""``loader="relay"`` on Dask clusters: relays on the engine's node, loaders elsewhere.
+
+Most tests share one in-process cluster of threaded workers (``Worker``, no
+nanny), which starts in a fraction of a second and lets the tests watch the
+engine from this process: the engine's worker (two threads, so placement
+picks it), two workers advertising ``resources={"relay": 1}`` and two plain
+loading workers. Every worker of it is on this host, so the relays are
+confirmed by attaching to the ring as on a real node. The slow tests run the
+same roles as worker processes under nannies, and kill a relay mid-fit.
+
+Every equality is bit for bit with a plain ``partial_fit`` loop in this
+process, run with BLAS pinned to the stream's thread count
+(:data:`~rh_dask.distributed.consumer.STREAM_BLAS_THREADS`).
+
+The ring's directory is a fresh short directory per test (the listener's
+``AF_UNIX`` socket lies beside the ring, and socket paths are limited to
+107 bytes), checked to be empty after every fit.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import tempfile
+import threading
+import time
+
+import dask.array as da
+import dask.config
+import dask.dataframe as dd
+import numpy as np
+import pandas as pd
+import pytest
+from distributed import Client, Nanny, Scheduler, SpecCluster, Worker
+from threadpoolctl import threadpool_limits
+
+from rh_dask import BadChunkError, RenewableHuberRegressor, StreamError, ValidationError
+from rh_dask.distributed.consumer import STREAM_BLAS_THREADS
+from rh_dask.distributed.placement import (
+    WorkerInfo,
+    advertised_relays,
+    loading_workers,
+    relay_candidates,
+)
+from rh_dask.distributed.ring import ChunkRing, RingError
+from rh_dask.engines import NumpyEngine
+
+pytestmark = pytest.mark.timeout(120)
+
+ROLES = ("engine", "relay-0", "relay-1", "load-0", "load-1")
+HISTORY = ["batch", "rows", "iterations", "converged", "objective"]
+
+
+def _roles(cls) -> dict[str, dict]:
+    one = {"nthreads": 1}
+    relay = {"nthreads": 1, "resources": {"relay": 1}}
+    return {
+        "engine": {"cls": cls, "options": {"nthreads": 2}},
+        "relay-0": {"cls": cls, "options": relay},
+        "relay-1": {"cls": cls, "options": relay},
+        "load-0": {"cls": cls, "options": one},
+        "load-1": {"cls": cls, "options": one},
+    }
+
+
+def _cluster(workers: dict[str, dict]) -> SpecCluster:
+    return SpecCluster(
+        workers=workers,
+        scheduler={"cls": Scheduler, "options": {"dashboard_address": ":0"}},
+    )
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    with _cluster(_roles(Worker)) as spec, Client(spec, set_as_default=False) as c:
+        c.wait_for_workers(len(ROLES))
+        yield c
+
+
+@pytest.fixture
+def client(cluster):
+    with cluster.as_current():
+        yield cluster
+
+
+@pytest.fixture
+def ring_dir():
+    """A short, fresh directory for the ring, set as ``rh-dask.relay.directory``."""
+    path = tempfile.mkdtemp(prefix="rh-relay-", dir="/tmp" if os.path.isdir("/tmp") else None)
+    with dask.config.set({"rh-dask.relay.directory": path}):
+        yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def _by_name(client) -> dict[str, str]:
+    """Worker name -> address."""
+    info = client.scheduler_info(n_workers=-1)["workers"]
+    return {w["name"]: address for address, w in info.items()}
+
+
+def _data(n=3_000, d=5, seed=0, weights=False, dtype="float64"):
+    rng = np.random.default_rng(seed)
+    X = rng.normal(size=(n, d))
+    y = X @ rng.normal(size=d) + 0.5 + rng.standard_t(2, size=n)
+    w = rng.uniform(0.2, 3.0, size=n).astype(dtype) if weights else None
+    return X.astype(dtype), y.astype(dtype), w
+
+
+def _row_blocks(X, y, w, chunks):
+    out, start = [], 0
+    for size in chunks:
+        rows = slice(start, start + size)
+        out.append((X[rows], y[rows], None if w is None else w[rows]))
+        start += size
+    return out
+
+
+def _loop(blocks, **params) -> RenewableHuberRegressor:
+    """The reference: a plain partial_fit loop over in-memory chunks."""
+    model = RenewableHuberRegressor(**params)
+    with threadpool_limits(limits=STREAM_BLAS_THREADS, user_api="blas"):
+        for X, y, w in blocks:
+            if len(y):
+                model.partial_fit(X, y, sample_weight=w)
+    return model
+
+
+def _same(a, b, assert_unchanged, snapshot):
+    """Same state, history and β after every batch, bit for bit."""
+    assert_unchanged(snapshot(a), snapshot(b))
+    pd.testing.assert_frame_equal(a.history_[HISTORY], b.history_[HISTORY])
+    assert a.coef_.tobytes() == b.coef_.tobytes()
+    assert np.float64(a.intercept_).tobytes() == np.float64(b.intercept_).tobytes()
+    assert a.coef_history_.tobytes() == b.coef_history_.tobytes()
+
+
+def _left(directory) -> list[str]:
+    return sorted(n for n in os.listdir(directory) if n.startswith("rh-dask-ring-"))
+
+
+def _assert_roles(model, client) -> None:
+    names = _by_name(client)
+    placement = model.placement_
+    assert placement["loader"] == "relay"
+    assert placement["worker"] == names["engine"]
+    assert sorted(placement["relays"]) == sorted([names["relay-0"], names["relay-1"]])
+    assert sorted(placement["loaders"]) == sorted([names["load-0"], names["load-1"]])
+
+
+def _arrays(X, y, w, chunks):
+    d = X.shape[1]
+    Xd = da.from_array(X, chunks=(chunks, d))
+    yd = da.from_array(y, chunks=(chunks,))
+    return Xd, yd, None if w is None else da.from_array(w, chunks=(chunks,))
+
+
+# -- placement rules ------------------------------------------------------------------------
+def _info(address, **resources) -> WorkerInfo:
+    return WorkerInfo(address, 1, dict(resources))
+
+
+def test_relay_and_loading_worker_rules():
+    engine = _info("tcp://10.0.0.1:1000", GPU=1)
+    same = _info("tcp://10.0.0.1:1001")
+    marked = _info("tcp://10.0.0.1:1002", relay=1)
+    elsewhere = _info("tcp://10.0.0.2:1000", relay=1)
+    plain_far = _info("tcp://10.0.0.3:1000")
+    # Without any worker advertising the resource: every other worker of the node.
+    workers = [engine, same, plain_far]
+    assert relay_candidates(workers, engine, "relay") == [same]
+    assert advertised_relays(workers, engine, "relay") == []
+    # Once one advertises it (even on another node), only those of the engine's node.
+    workers = [engine, same, marked, elsewhere, plain_far]
+    assert relay_candidates(workers, engine, "relay") == [marked]
+    assert advertised_relays(workers, engine, "relay") == [marked]
+    assert relay_candidates([engine, same, elsewhere], engine, "relay") == []
+    # Another resource name is honoured.
+    assert relay_candidates(workers, engine, "other") == [same, marked]
+    # Loading workers: neither the engine's nor a relay; else the relays.
+    relays = [marked.address]
+    assert loading_workers(workers, engine, relays) == [same, elsewhere, plain_far]
+    assert loading_workers([engine, marked], engine, relays) == [marked]
+
+
+# -- equality with the plain loop ---------------------------------------------------------
+@pytest.mark.parametrize("dtype", ["float64", "float32"])
+def test_relay_fit_equals_partial_fit_loop(client, ring_dir, dtype, snapshot, assert_unchanged):
+    X, y, w = _data(n=4_000, seed=1, weights=True, dtype=dtype)
+    chunks = (800, 500, 1200, 700, 800)
+    Xd, yd, wd = _arrays(X, y, w, chunks)
+    model = RenewableHuberRegressor(loader="relay", lookahead=3, progress=False, dtype=dtype)
+    model.fit(Xd, yd, sample_weight=wd)
+    _assert_roles(model, client)
+    assert model.coef_.dtype == np.dtype(dtype)
+    ref = _loop(_row_blocks(X, y, w, chunks), dtype=dtype)
+    _same(model, ref, assert_unchanged, snapshot)
+    assert _left(ring_dir) == []
+
+
+def test_relay_fit_of_a_dataframe_with_a_target_column(
+    client, ring_dir, snapshot, assert_unchanged
+):
+    X, y, w = _data(n=2_000, d=4, seed=2, weights=True)
+    pdf = pd.DataFrame(X, columns=[f"f{i}" for i in range(4)])
+    pdf["target"] = y
+    pdf["w"] = w
+    ddf = dd.from_pandas(pdf, npartitions=4)
+    # A frame's slots default to 128 MiB each: two of them, in the test's directory.
+    model = RenewableHuberRegressor(loader="relay", lookahead=2, progress=False)
+    model.fit(ddf, "target", sample_weight="w")
+    _assert_roles(model, client)
+    feats = [f"f{i}" for i in range(4)]
+    parts = [ddf.get_partition(i).compute() for i in range(ddf.npartitions)]
+    ref = _loop([(p[feats], p["target"], p["w"]) for p in parts])
+    assert list(model.feature_names_in_) == feats
+    _same(model, ref, assert_unchanged, snapshot)
+    assert _left(ring_dir) == []
+
+
+def test_auto_picks_relay_on_a_cluster_built_for_it(client, ring_dir, snapshot, assert_unchanged):
+    X, y, _ = _data(n=1_500, seed=3)
+    Xd, yd, _ = _arrays(X, y, None, (500, 500, 500))
+    model = RenewableHuberRegressor(progress=False, lookahead=2).fit(Xd, yd)
+    _assert_roles(model, client)
+    _same(model, _loop(_row_blocks(X, y, None, [500] * 3)), assert_unchanged, snapshot)
+    assert _left(ring_dir) == []
+
+
+def _slow_early(block, block_info=None):
+    # Earlier chunks take longest: later ones finish loading (and relaying) first.
+    index = block_info[0]["chunk-location"][0]
+    time.sleep(max(0.0, 0.25 - 0.05 * index))
+    return block
+
+
+def test_order_kept_when_later_chunks_finish_first(client, ring_dir, snapshot, assert_unchanged):
+    X, y, _ = _data(n=3_000, seed=4)
+    Xd = da.from_array(X, chunks=(500, 5)).map_blocks(
+        _slow_early, dtype=X.dtype, meta=np.empty((0, 0), X.dtype)
+    )
+    model = RenewableHuberRegressor(loader="relay", lookahead=6, progress=False)
+    model.fit(Xd, da.from_array(y, chunks=500))
+    assert model.history_["chunk"].tolist() == list(range(6))
+    _same(model, _loop(_row_blocks(X, y, None, [500] * 6)), assert_unchanged, snapshot)
+    assert _left(ring_dir) == []
+
+
+# -- the memory bound -----------------------------------------------------------------------
+class _Watch:
+    """What the engine consumed, and where each load started relative to it (one process)."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.consumed = 0
+        self.loads: list[tuple[int, int]] = []
+        self.rings: list = []
+
+
+_watch = _Watch()
+
+
+def _logged_load(block, block_info=None):
+    index = block_info[0]["chunk-location"][0]
+    with _watch.lock:
+        _watch.loads.append((index, _watch.consumed))
+    return block
+
+
+def test_no_chunk_loads_before_the_ring_has_room_for_it(client, ring_dir, monkeypatch):
+    lookahead, n_chunks, rows = 3, 12, 200
+    X, y, _ = _data(n=n_chunks * rows, seed=5)
+    original = NumpyEngine.partial_fit
+
+    def counted(self, *args, **kwargs):
+        # A slow engine: loaders would run ahead of it if nothing held them back.
+        time.sleep(0.02)
+        out = original(self, *args, **kwargs)
+        with _watch.lock:
+            _watch.consumed += 1
+        return out
+
+    make = ChunkRing.create.__func__
+
+    def recorded(cls, *args, **kwargs):
+        made = make(cls, *args, **kwargs)
+        _watch.rings.append(made.spec)
+        return made
+
+    _watch.__init__()
+    monkeypatch.setattr(NumpyEngine, "partial_fit", counted)
+    monkeypatch.setattr(ChunkRing, "create", classmethod(recorded))
+    Xd = da.from_array(X, chunks=(rows, 5)).map_blocks(
+        _logged_load, dtype=X.dtype, meta=np.empty((0, 0), X.dtype)
+    )
+    model = RenewableHuberRegressor(loader="relay", lookahead=lookahead, progress=False)
+    model.fit(Xd, da.from_array(y, chunks=rows))
+    monkeypatch.undo()
+    assert len(model.history_) == n_chunks and _watch.consumed == n_chunks
+    assert sorted(i for i, _ in _watch.loads) == list(range(n_chunks))
+    for index, consumed in _watch.loads:
+        # Chunk i loads only once chunk i - lookahead was consumed.
+        assert consumed >= index - lookahead + 1, (index, consumed, _watch.loads)
+    # The loads did overlap the engine (the bound is not trivially met by a serial walk).
+    assert any(consumed < index for index, consumed in _watch.loads)
+    (spec,) = _watch.rings
+    assert spec.n_slots == lookahead
+    # One slot holds the largest chunk (X, y and room for a weight column), no more.
+    needed = rows * 5 * 8 + rows * 8
+    assert needed <= spec.slot_bytes <= needed + rows * 8 + 3 * 64 + 4096
+    assert _left(ring_dir) == []
+
+
+def test_chunks_larger_than_a_slot_go_through_files(client, ring_dir, snapshot, assert_unchanged):
+    X, y, w = _data(n=2_400, seed=6, weights=True)
+    Xd, yd, wd = _arrays(X, y, w, (600, 600, 600, 600))
+    with dask.config.set({"rh-dask.relay.slot-bytes": 4096}):  # a chunk is 33.6 kB
+        model = RenewableHuberRegressor(loader="relay", lookahead=2, progress=False)
+        model.fit(Xd, yd, sample_weight=wd)
+    _same(model, _loop(_row_blocks(X, y, w, [600] * 4)), assert_unchanged, snapshot)
+    assert _left(ring_dir) == []
+
+
+# -- bad input on this path ---------------------------------------------------------------
+def test_bad_chunk_stops_in_front_of_it_then_partial_fit_continues(
+    client, ring_dir, snapshot, assert_unchanged
+):
+    X, y, _ = _data(n=3_000, seed=10)
+    bad = X.copy()
+    bad[1_234, 2] = np.nan  # inside chunk 2 of 500-row chunks
+    model = RenewableHuberRegressor(loader="relay", lookahead=4, progress=False)
+    with pytest.raises(BadChunkError, match="chunk 2 was refused") as info:
+        model.fit(da.from_array(bad, chunks=(500, 5)), da.from_array(y, chunks=500))
+    assert info.value.chunk_index == 2 and "NaN" in str(info.value)
+    assert isinstance(info.value, ValueError) and isinstance(info.value, StreamError)
+    blocks = _row_blocks(X, y, None, [500] * 6)
+    _same(model, _loop(blocks[:2]), assert_unchanged, snapshot)
+    model.partial_fit(da.from_array(X[1_000:], chunks=(500, 5)), da.from_array(y[1_000:], 500))
+    assert model.placement_["loader"] == "relay"
+    _same(model, _loop(blocks), assert_unchanged, snapshot)
+    assert _left(ring_dir) == []
+
+
+def _fail_chunk_3(block, block_info=None):
+    if block_info[0]["chunk-location"][0] == 3:
+        raise OSError("disk on fire")
+    return block
+
+
+def test_a_failing_load_names_the_chunk(client, ring_dir, snapshot, assert_unchanged):
+    X, y, _ = _data(n=3_000, seed=11)
+    Xd = da.from_array(X, chunks=(500, 5)).map_blocks(
+        _fail_chunk_3, dtype=X.dtype, meta=np.empty((0, 0), X.dtype)
+    )
+    model = RenewableHuberRegressor(loader="relay", progress=False)
+    with pytest.raises(StreamError, match=r"chunk 3 could not be loaded.*disk on fire") as info:
+        model.fit(Xd, da.from_array(y, chunks=500))
+    assert type(info.value) is StreamError and info.value.chunk_index == 3
+    _same(model, _loop(_row_blocks(X, y, None, [500] * 3)), assert_unchanged, snapshot)
+    assert _left(ring_dir) == []
+
+
+def test_a_refused_fit_keeps_the_fitted_model(client, ring_dir, snapshot, assert_unchanged):
+    X, y, _ = _data(n=2_000, seed=12)
+    model = RenewableHuberRegressor(loader="relay", progress=False)
+    model.fit(da.from_array(X, chunks=(500, 5)), da.from_array(y, 500))
+    before, history, placement = snapshot(model), model.history_.copy(), model.placement_
+    bad = X.copy()
+    bad[100, 0] = np.nan  # chunk 0: the new stream consumes nothing
+    refusals = [
+        (da.from_array(X, chunks=(500, 5)), da.from_array(y[:-1], 500), ValidationError),
+        (da.from_array(bad, chunks=(500, 5)), da.from_array(y, 500), BadChunkError),
+    ]
+    for Xd, yd, error in refusals:
+        with pytest.raises(error):
+            model.fit(Xd, yd)
+        assert_unchanged(before, snapshot(model))
+        pd.testing.assert_frame_equal(model.history_, history)
+        assert model.placement_ == placement
+    assert _left(ring_dir) == []
+
+
+def test_a_missing_ring_directory_refuses_the_fit_and_keeps_the_model(
+    client, ring_dir, snapshot, assert_unchanged
+):
+    X, y, _ = _data(n=1_000, seed=13)
+    Xd, yd = da.from_array(X, chunks=(500, 5)), da.from_array(y, 500)
+    model = RenewableHuberRegressor(loader="relay", progress=False).fit(Xd, yd)
+    before = snapshot(model)
+    missing = os.path.join(ring_dir, "missing")
+    fresh = RenewableHuberRegressor(loader="relay", progress=False)
+    with dask.config.set({"rh-dask.relay.directory": missing}):
+        for m in (model, fresh):
+            with pytest.raises(RingError, match="missing") as info:
+                m.fit(Xd, yd)
+            assert isinstance(info.value, OSError)
+    assert_unchanged(before, snapshot(model))
+    assert not hasattr(fresh, "coef_")
+    assert not os.path.exists(missing)
+
+
+# -- clusters that cannot relay -----------------------------------------------------------------
+def test_relay_with_only_the_engines_worker_is_refused(ring_dir, snapshot, assert_unchanged):
+    lone = {"engine": {"cls": Worker, "options": {"nthreads": 1}}}
+    X, y, _ = _data(n=1_000, seed=14)
+    Xd, yd = da.from_array(X, chunks=(500, 5)), da.from_array(y, 500)
+    with _cluster(lone) as spec, Client(spec, set_as_default=False) as c, c.as_current():
+        model = RenewableHuberRegressor(loader="cluster", progress=False).fit(Xd, yd)
+        before = snapshot(model)
+        model.set_params(loader="relay")
+        with pytest.raises(ValidationError, match=r"loader='relay' needs a worker on the engine"):
+            model.fit(Xd, yd)
+        assert_unchanged(before, snapshot(model))
+    assert _left(ring_dir) == []
+
+
+def test_a_relay_resource_on_another_node_is_no_relay(ring_dir):
+    # Two "nodes" of one machine: workers listening on 127.0.0.1 and on 127.0.0.2.
+    workers = {
+        "engine": {"cls": Worker, "options": {"nthreads": 2, "host": "127.0.0.1"}},
+        "same-node": {"cls": Worker, "options": {"nthreads": 1, "host": "127.0.0.1"}},
+        "far-relay": {
+            "cls": Worker,
+            "options": {"nthreads": 1, "host": "127.0.0.2", "resources": {"relay": 1}},
+        },
+    }
+    X, y, _ = _data(n=1_000, seed=15)
+    Xd, yd = da.from_array(X, chunks=(500, 5)), da.from_array(y, 500)
+    try:
+        spec = _cluster(workers)
+    except OSError as exc:  # a platform routing only 127.0.0.1 to loopback
+        pytest.skip(f"cannot listen on 127.0.0.2: {exc}")
+    with spec, Client(spec, set_as_default=False) as c, c.as_current():
+        # Relays are the engine node's advertising workers once any worker advertises.
+        with pytest.raises(ValidationError, match="needs a worker on the engine's node"):
+            RenewableHuberRegressor(loader="relay", progress=False).fit(Xd, yd)
+        model = RenewableHuberRegressor(progress=False).fit(Xd, yd)
+        assert model.placement_["loader"] != "relay"
+        assert model.placement_["worker"] == _by_name(c)["engine"]
+    assert _left(ring_dir) == []
+
+
+# -- worker processes ---------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def process_cluster():
+    with _cluster(_roles(Nanny)) as spec, Client(spec, set_as_default=False) as c:
+        c.wait_for_workers(len(ROLES), timeout=60)
+        yield c
+
+
+def _kill_at(block, *, at, pid, marker, block_info=None):
+    """Chunk function: loading chunk ``at`` SIGKILLs the process ``pid`` (once, by ``marker``)."""
+    time.sleep(0.05)
+    if block_info is not None and block_info[0]["chunk-location"][0] == at:
+        try:
+            fd = os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+        except FileExistsError:
+            return block
+        os.close(fd)
+        os.kill(pid, signal.SIGKILL)
+    return block
+
+
+@pytest.mark.slow
+def test_relay_fit_on_worker_processes(process_cluster, ring_dir, snapshot, assert_unchanged):
+    c = process_cluster
+    X, y, w = _data(n=3_000, seed=20, weights=True)
+    chunks = (600, 400, 800, 600, 600)
+    Xd, yd, wd = _arrays(X, y, w, chunks)
+    with c.as_current():
+        model = RenewableHuberRegressor(loader="relay", lookahead=3, progress=False)
+        model.fit(Xd, yd, sample_weight=wd)
+        _assert_roles(model, c)
+    _same(model, _loop(_row_blocks(X, y, w, chunks)), assert_unchanged, snapshot)
+    assert _left(ring_dir) == []
+    # The relays let go of the ring once the stream ended.
+    from rh_dask.distributed.relay import attached_rings
+
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:
+        held = c.run(attached_rings, workers=model.placement_["relays"])
+        if not any(held.values()):
+            break
+        time.sleep(0.1)
+    assert not any(held.values()), held
+
+
+@pytest.mark.slow
+def test_losing_a_relay_mid_fit_still_gives_the_same_fit(
+    process_cluster, ring_dir, tmp_path, snapshot, assert_unchanged
+):
+    c = process_cluster
+    c.wait_for_workers(len(ROLES), timeout=60)
+    names = _by_name(c)
+    pids = {address: pid for address, pid in c.run(os.getpid).items()}
+    victim = names["relay-0"]
+    X, y, _ = _data(n=12 * 200, seed=21)
+    Xd = da.from_array(X, chunks=(200, 5)).map_blocks(
+        _kill_at,
+        dtype=X.dtype,
+        meta=np.empty((0, 0), X.dtype),
+        at=5,
+        pid=pids[victim],
+        marker=str(tmp_path / "killed"),
+    )
+    with c.as_current():
+        model = RenewableHuberRegressor(loader="relay", lookahead=4, progress=False)
+        model.fit(Xd, da.from_array(y, chunks=200))
+    assert (tmp_path / "killed").exists()
+    with pytest.raises(ProcessLookupError):  # the relay died during the fit
+        os.kill(pids[victim], 0)
+    assert victim in model.placement_["relays"]
+    _same(model, _loop(_row_blocks(X, y, None, [200] * 12)), assert_unchanged, snapshot)
+    assert _left(ring_dir) == []
