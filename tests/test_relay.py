@@ -448,17 +448,22 @@ def process_cluster():
         yield c
 
 
-def _kill_at(block, *, at, pid, marker, block_info=None):
-    """Chunk function: loading chunk ``at`` SIGKILLs the process ``pid`` (once, by ``marker``)."""
-    time.sleep(0.05)
-    if block_info is not None and block_info[0]["chunk-location"][0] == at:
-        try:
-            fd = os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
-        except FileExistsError:
-            return block
-        os.close(fd)
-        os.kill(pid, signal.SIGKILL)
+def _slow_first(block, *, seconds, block_info=None):
+    """Chunk function: chunk 0 takes ``seconds``, so later chunks wait, relayed, behind it."""
+    if block_info is not None and block_info[0]["chunk-location"][0] == 0:
+        time.sleep(seconds)
     return block
+
+
+def _relayed_results(dask_scheduler=None) -> dict[str, list[str]]:
+    """Worker -> relay tasks whose results it holds (run on the scheduler)."""
+    out: dict[str, list[str]] = {}
+    for ts in dask_scheduler.tasks.values():
+        key = ts.key
+        if ts.state == "memory" and isinstance(key, tuple) and key[0].startswith("rh-relay-"):
+            for ws in ts.who_has or ():
+                out.setdefault(ws.address, []).append(str(key))
+    return out
 
 
 @pytest.mark.slow
@@ -487,28 +492,49 @@ def test_relay_fit_on_worker_processes(process_cluster, ring_dir, snapshot, asse
 
 @pytest.mark.slow
 def test_losing_a_relay_mid_fit_still_gives_the_same_fit(
-    process_cluster, ring_dir, tmp_path, snapshot, assert_unchanged
+    process_cluster, ring_dir, snapshot, assert_unchanged
 ):
+    # Chunk 0 loads slowly, so chunks 1..3 sit relayed (in the ring, their
+    # notes sent) behind it; the relay holding their results is killed. Dask
+    # runs them again on the other relay, which writes them again and sends
+    # their notes a second time: the fit must not change by a bit.
     c = process_cluster
     c.wait_for_workers(len(ROLES), timeout=60)
     names = _by_name(c)
-    pids = {address: pid for address, pid in c.run(os.getpid).items()}
-    victim = names["relay-0"]
+    relays = {names["relay-0"], names["relay-1"]}
+    pids = dict(c.run(os.getpid))
     X, y, _ = _data(n=12 * 200, seed=21)
     Xd = da.from_array(X, chunks=(200, 5)).map_blocks(
-        _kill_at,
-        dtype=X.dtype,
-        meta=np.empty((0, 0), X.dtype),
-        at=5,
-        pid=pids[victim],
-        marker=str(tmp_path / "killed"),
+        _slow_first, dtype=X.dtype, meta=np.empty((0, 0), X.dtype), seconds=2.0
     )
-    with c.as_current():
-        model = RenewableHuberRegressor(loader="relay", lookahead=4, progress=False)
-        model.fit(Xd, da.from_array(y, chunks=200))
-    assert (tmp_path / "killed").exists()
+    outcome: dict = {}
+
+    def fit() -> None:
+        try:
+            with c.as_current():
+                model = RenewableHuberRegressor(loader="relay", lookahead=4, progress=False)
+                outcome["model"] = model.fit(Xd, da.from_array(y, chunks=200))
+        except BaseException as exc:
+            outcome["error"] = exc
+
+    thread = threading.Thread(target=fit, daemon=True)
+    thread.start()
+    victim, held = None, []
+    deadline = time.monotonic() + 10
+    while victim is None and time.monotonic() < deadline and thread.is_alive():
+        for address, keys in c.run_on_scheduler(_relayed_results).items():
+            if address in relays:
+                victim, held = address, keys
+                break
+        time.sleep(0.02)
+    assert victim is not None, "no relay held a relayed chunk while chunk 0 loaded"
+    os.kill(pids[victim], signal.SIGKILL)
+    thread.join(60)
+    assert not thread.is_alive()
+    assert "error" not in outcome, outcome.get("error")
+    model = outcome["model"]
+    assert held and victim in model.placement_["relays"]
     with pytest.raises(ProcessLookupError):  # the relay died during the fit
         os.kill(pids[victim], 0)
-    assert victim in model.placement_["relays"]
     _same(model, _loop(_row_blocks(X, y, None, [200] * 12)), assert_unchanged, snapshot)
     assert _left(ring_dir) == []
