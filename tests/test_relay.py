@@ -399,6 +399,38 @@ def test_a_missing_ring_directory_refuses_the_fit_and_keeps_the_model(
     assert not os.path.exists(missing)
 
 
+def test_a_chunk_the_engines_side_cannot_map_stops_the_fit_at_it(ring_dir, monkeypatch):
+    # Its own small cluster: a fit that hangs here must not hold the module's.
+    roles = {k: v for k, v in _roles(Worker).items() if k in ("engine", "relay-0", "load-0")}
+    mapped = ChunkRing.parts
+
+    def parts(self, note):
+        if note.index == 2:
+            raise OSError("cannot map the chunk")
+        return mapped(self, note)
+
+    monkeypatch.setattr(ChunkRing, "parts", parts)
+    X, y, _ = _data(n=2_000, seed=16)
+    Xd, yd = da.from_array(X, chunks=(500, 5)), da.from_array(y, 500)
+    outcome: dict = {}
+    with _cluster(roles) as spec, Client(spec, set_as_default=False) as c:
+
+        def fit() -> None:
+            try:
+                with c.as_current():
+                    RenewableHuberRegressor(loader="relay", progress=False).fit(Xd, yd)
+            except BaseException as exc:
+                outcome["error"] = exc
+
+        thread = threading.Thread(target=fit, daemon=True)
+        thread.start()
+        thread.join(15)
+        hung = thread.is_alive()
+    assert not hung, "the fit still waits for chunk 2, whose note the engine's side dropped"
+    error = outcome.get("error")
+    assert isinstance(error, StreamError) and error.chunk_index == 2, error
+
+
 # -- clusters that cannot relay -----------------------------------------------------------------
 def test_relay_with_only_the_engines_worker_is_refused(ring_dir, snapshot, assert_unchanged):
     lone = {"engine": {"cls": Worker, "options": {"nthreads": 1}}}

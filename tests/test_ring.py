@@ -28,7 +28,7 @@ import pytest
 from rh_dask.distributed import relay
 from rh_dask.distributed.items import BadChunk, EmptyChunk, LoadedChunk
 from rh_dask.distributed.relay import RelayReceiver, attach_relay, attached_rings, relay_chunk
-from rh_dask.distributed.ring import ChunkRing, RingError, RingWriter
+from rh_dask.distributed.ring import ChunkRing, RingError, RingWriter, SlotNote, slot_layout
 from rh_dask.exceptions import RhDaskError, ValidationError
 
 pytestmark = pytest.mark.timeout(60)
@@ -494,6 +494,23 @@ def test_a_note_that_cannot_be_sent_leaves_no_overflow_file(receiving, short_dir
     with pytest.raises(OSError):
         relay_chunk(LoadedChunk(0, X, y, None), r.spec)
     assert _names(short_dir) == []
+
+
+def test_a_note_whose_chunk_cannot_be_mapped_becomes_a_bad_chunk(receiving, short_dir):
+    # The engine's consumer waits for every chunk in order: a note dropped
+    # here would leave it waiting for that chunk for good (the stream hangs).
+    r, rec, got = receiving
+    assert attach_relay(r.spec)
+    rec.seal()
+    X, y, _ = _chunk(100, 3, "float64", weights=False)
+    parts, _ = slot_layout([X, y, None])
+    vanished = os.path.join(short_dir, "vanished")
+    relay._attached[r.spec.ring_id].send(SlotNote(0, -1, parts, overflow=vanished))
+    try:
+        item = got.get(timeout=5)
+    except queue.Empty:
+        pytest.fail("a note whose chunk could not be mapped was dropped: chunk 0 never arrives")
+    assert isinstance(item, BadChunk) and item.index == 0
 
 
 def test_a_receiver_on_a_taken_socket_is_a_ring_error(short_dir):
