@@ -311,6 +311,15 @@ def test_no_chunk_loads_before_the_ring_has_room_for_it(client, ring_dir, monkey
     assert _left(ring_dir) == []
 
 
+def test_a_ring_of_one_slot(client, ring_dir, snapshot, assert_unchanged):
+    # lookahead=1: every chunk waits in its relay for the release of the one before.
+    X, y, _ = _data(n=2_000, seed=7)
+    Xd, yd, _ = _arrays(X, y, None, (400,) * 5)
+    model = RenewableHuberRegressor(loader="relay", lookahead=1, progress=False).fit(Xd, yd)
+    _same(model, _loop(_row_blocks(X, y, None, [400] * 5)), assert_unchanged, snapshot)
+    assert _left(ring_dir) == []
+
+
 def test_chunks_larger_than_a_slot_go_through_files(client, ring_dir, snapshot, assert_unchanged):
     X, y, w = _data(n=2_400, seed=6, weights=True)
     Xd, yd, wd = _arrays(X, y, w, (600, 600, 600, 600))
@@ -429,6 +438,45 @@ def test_a_chunk_the_engines_side_cannot_map_stops_the_fit_at_it(ring_dir, monke
     assert not hung, "the fit still waits for chunk 2, whose note the engine's side dropped"
     error = outcome.get("error")
     assert isinstance(error, StreamError) and error.chunk_index == 2, error
+
+
+def _fail_once_at_4(block, *, marker, block_info=None):
+    if block_info[0]["chunk-location"][0] == 4 and not os.path.exists(marker):
+        open(marker, "w").close()
+        raise OSError("network share went away")
+    return block
+
+
+def test_a_resumed_relay_walk_starts_its_ring_at_the_checkpoint(
+    client, ring_dir, tmp_path, snapshot, assert_unchanged
+):
+    X, y, _ = _data(n=8 * 250, seed=17)
+    Xd = da.from_array(X, chunks=(250, 5)).map_blocks(
+        _fail_once_at_4,
+        dtype=X.dtype,
+        meta=np.empty((0, 0), X.dtype),
+        marker=str(tmp_path / "failed"),
+    )
+    yd = da.from_array(y, chunks=250)
+    store = tmp_path / "checkpoints"
+    params = dict(loader="relay", lookahead=3, progress=False, checkpoint_every=1)
+    first = RenewableHuberRegressor(checkpoint_dir=str(store), **params)
+    with pytest.raises(StreamError, match="chunk 4 could not be loaded"):
+        first.fit(Xd, yd)
+    starts: list[int] = []
+    make = ChunkRing.create.__func__
+
+    def recorded(cls, directory, n_slots, slot_bytes, start=0):
+        starts.append(start)
+        return make(cls, directory, n_slots, slot_bytes, start)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(ChunkRing, "create", classmethod(recorded))
+        model = RenewableHuberRegressor(**params).fit(Xd, yd, resume_from=str(store))
+    assert starts == [4]
+    assert model.history_["chunk"].tolist() == list(range(8))
+    _same(model, _loop(_row_blocks(X, y, None, [250] * 8)), assert_unchanged, snapshot)
+    assert _left(ring_dir) == []
 
 
 # -- clusters that cannot relay -----------------------------------------------------------------
