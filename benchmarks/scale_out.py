@@ -689,7 +689,7 @@ def relay_ceiling(
     Chunk ``i`` is written by relay ``i mod R``; the clock stops when the
     receiver in the engine's process has been handed every chunk.
     """
-    from distributed import wait
+    from distributed import as_completed, wait
 
     from rh_dask.distributed.relay import attach_relay, detach_relay, relay_chunk
 
@@ -714,17 +714,26 @@ def relay_ceiling(
             raise RuntimeError(f"no relay attached to the ring: {attached}")
         t0_remote = client.run(_relay_receiver_state, workers=[receiver])[receiver]["clock"]
         t0 = time.perf_counter()
-        tasks = [
-            client.submit(
+
+        # At most n_slots chunks in flight, as the fit's walk keeps them: chunk
+        # i is sent once chunk i - n_slots has been handed over.
+        def send(i: int) -> Any:
+            return client.submit(
                 relay_chunk,
-                item,
+                items[i],
                 spec,
                 workers=[ok[i % len(ok)]],
                 allow_other_workers=False,
                 pure=False,
             )
-            for i, item in enumerate(items)
-        ]
+
+        tasks = [send(i) for i in range(min(n_slots, n_chunks))]
+        pending = as_completed(list(tasks))
+        for _ in pending:
+            if len(tasks) < n_chunks:
+                task = send(len(tasks))
+                tasks.append(task)
+                pending.add(task)
         wait(tasks)
         while True:
             state = client.run(_relay_receiver_state, workers=[receiver])[receiver]

@@ -23,6 +23,7 @@ close and unmaps the ring, so nothing is left behind on either side.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import socket
@@ -34,7 +35,7 @@ from typing import Any
 
 import numpy as np
 
-from .items import ChunkItem, LoadedChunk
+from .items import BadChunk, ChunkItem, LoadedChunk
 from .ring import ChunkRing, RingError, RingSpec, RingWriter, SlotNote
 
 __all__ = ["RelayReceiver", "attach_relay", "attached_rings", "detach_relay", "relay_chunk"]
@@ -173,7 +174,13 @@ def relay_chunk(item: ChunkItem, spec: RingSpec) -> int:
     note = relay.writer.write(item.index, arrays)
     if note is None:
         return 0
-    relay.send(note)
+    try:
+        relay.send(note)
+    except BaseException:
+        if note.overflow is not None:  # nobody will map it: it must not stay in memory
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(note.overflow)
+        raise
     return note.nbytes
 
 
@@ -267,9 +274,13 @@ class RelayReceiver:
                 return
             try:
                 item = self._item(message)
-            except Exception as exc:  # a note this side cannot map: the chunk never arrives
-                logger.error("a relay's note could not be read: %s", exc)
-                continue
+            except Exception as exc:  # a chunk this side cannot map: the stream stops at it
+                index = getattr(message, "index", None)
+                if index is None:
+                    logger.error("a relay sent a message that is not a note: %r", message)
+                    continue
+                reason = f"{type(exc).__name__}: {exc}"
+                item = BadChunk(index, reason, exc, verb="could not be loaded")
             self._deliver(item)
 
     def _item(self, message: Any) -> ChunkItem:
@@ -280,10 +291,12 @@ class RelayReceiver:
 
     def _stop_listening(self) -> None:
         self._server.close()
-        try:
-            os.unlink(self._ring.spec.socket)
-        except FileNotFoundError:
-            pass
+        address = self._ring.spec.socket
+        if not address.startswith("\0"):  # an abstract address has no file
+            try:
+                os.unlink(address)
+            except FileNotFoundError:
+                pass
 
     def seal(self) -> None:
         """Stop accepting relays and remove the ring's and the listener's names."""

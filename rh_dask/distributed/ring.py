@@ -24,10 +24,13 @@ processes, and tests drive the ring directly.
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
+import glob
 import mmap
 import os
 import secrets
+import sys
 import tempfile
 import threading
 import time
@@ -56,9 +59,14 @@ _TOKEN_BYTES = 16
 _OWNER_OFFSET = 64
 _ALIGN = 64
 #: Seconds between looks at a slot's owner while a relay waits for the engine
-#: to release it (the coordinator submits chunk ``i`` once chunk
-#: ``i - n_slots`` is consumed, so the wait is the release's own latency).
+#: to release it.
 _OWNER_POLL_SECONDS = 0.0005
+#: How long a relay waits for its slot before writing the chunk to a file of
+#: its own. The coordinator submits chunk ``i`` once chunk ``i - n_slots`` is
+#: consumed, so a slot is busy only for the release's own latency; a relay
+#: never blocks its thread longer (a blocked thread could hold up the very
+#: chunk the slot waits for, queued behind it on the same relay).
+_OWNER_WAIT_SECONDS = 0.05
 
 
 def default_directory() -> str:
@@ -151,6 +159,18 @@ def slot_layout(arrays: Sequence[np.ndarray | None]) -> tuple[tuple[PartLayout |
         parts.append(PartLayout(offset, tuple(int(n) for n in a.shape), a.dtype.str))
         offset += -(-int(a.nbytes) // _ALIGN) * _ALIGN
     return tuple(parts), offset
+
+
+def _socket_address(ring_id: str) -> str:
+    """The engine's listener: Linux's abstract namespace, else a short path.
+
+    An abstract address leaves nothing on the filesystem and has no path
+    length limit to run into (108 bytes for a path); the listener's key,
+    not the filesystem's permissions, decides who may connect.
+    """
+    if sys.platform.startswith("linux"):
+        return f"\0rh-dask-{ring_id}"
+    return os.path.join(tempfile.gettempdir(), f"rhd-{ring_id[:16]}.sock")
 
 
 def _allocate(fd: int, size: int, path: str) -> None:
@@ -262,7 +282,7 @@ class ChunkRing:
         spec = RingSpec(
             ring_id=ring_id,
             path=path,
-            socket=path + ".sock",
+            socket=_socket_address(ring_id),
             n_slots=int(n_slots),
             slot_bytes=slot_bytes,
             start=int(start),
@@ -325,12 +345,19 @@ class ChunkRing:
                 pass
 
     def close(self) -> None:
-        """Unlink the ring (if not sealed) and unmap it; idempotent."""
+        """Unlink the ring (if not sealed) and unmap it; idempotent.
+
+        Overflow files of notes that were never read (the stream stopped
+        first) are removed too.
+        """
         if self._closed:
             return
         self.seal()
         self._closed = True
         self._mapped.close()
+        for path in glob.glob(glob.escape(self.spec.path) + ".x*"):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
 
 
 class RingWriter:
@@ -374,8 +401,9 @@ class RingWriter:
     def write(self, index: int, arrays: Sequence[np.ndarray | None]) -> SlotNote | None:
         """Copy chunk ``index``'s arrays into its slot; ``None`` when it is stale.
 
-        Waits while the slot still holds an earlier chunk that the engine has
-        not released. A stale chunk (one consumed already) is not written.
+        Waits briefly while the slot still holds an earlier chunk that the
+        engine has not released, then writes the chunk to a file of its own.
+        A stale chunk (one consumed already) is not written.
 
         Raises
         ------
@@ -387,6 +415,7 @@ class RingWriter:
         if needed > self.spec.slot_bytes:
             return self._write_overflow(index, arrays, parts, needed)
         slot = index % self.spec.n_slots
+        deadline = time.monotonic() + _OWNER_WAIT_SECONDS
         while True:
             owners = self._mapped.owner
             if self.closed or owners is None:
@@ -398,6 +427,8 @@ class RingWriter:
                 return None
             if owner == index:
                 break
+            if time.monotonic() >= deadline:
+                return self._write_overflow(index, arrays, parts, needed)
             time.sleep(_OWNER_POLL_SECONDS)
         base = self._mapped.slot_base(slot)
         with self._mapped.locked(slot):
