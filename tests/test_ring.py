@@ -26,6 +26,7 @@ import numpy as np
 import pytest
 
 from rh_dask.distributed import relay
+from rh_dask.distributed import ring as ring_module
 from rh_dask.distributed.items import BadChunk, EmptyChunk, LoadedChunk
 from rh_dask.distributed.relay import RelayReceiver, attach_relay, attached_rings, relay_chunk
 from rh_dask.distributed.ring import ChunkRing, RingError, RingWriter, SlotNote, slot_layout
@@ -129,7 +130,29 @@ def test_parts_of_a_slot_are_views_of_the_ring_until_release(made):
 
 
 # -- slot ownership ---------------------------------------------------------------------------
-def test_a_chunk_waits_for_the_release_of_the_one_before_it_in_its_slot(made):
+@pytest.fixture
+def long_wait(monkeypatch):
+    """A relay waits for its slot long enough for a test to release it by hand."""
+    monkeypatch.setattr(ring_module, "_OWNER_WAIT_SECONDS", 30.0)
+
+
+def test_a_chunk_whose_slot_stays_held_goes_to_a_file_of_its_own(made):
+    # A relay never blocks its thread for long: the slot's chunk may be the one
+    # queued behind it on the same relay. The held slot is never written over.
+    r, w = made
+    X, y, _ = _chunk(50, 2, "float64", weights=False)
+    first = w.write(0, [X, y, None])
+    w.write(1, [X + 1, y, None])
+    start = time.monotonic()
+    note = w.write(2, [X + 2, y, None])
+    assert time.monotonic() - start < 5
+    assert note.index == 2 and note.slot == -1 and os.path.exists(note.overflow)
+    _same(r.parts(note)[0], X + 2)
+    assert not os.path.exists(note.overflow)
+    _same(r.parts(first)[0], X)  # chunk 0 untouched in its slot
+
+
+def test_a_chunk_waits_for_the_release_of_the_one_before_it_in_its_slot(made, long_wait):
     r, w = made
     X, y, _ = _chunk(50, 2, "float64", weights=False)
     assert w.write(0, [X, y, None]).slot == 0
@@ -145,7 +168,7 @@ def test_a_chunk_waits_for_the_release_of_the_one_before_it_in_its_slot(made):
     _same(r.parts(note)[0], X + 2)
 
 
-def test_release_of_an_index_that_does_not_own_its_slot_changes_nothing(made):
+def test_release_of_an_index_that_does_not_own_its_slot_changes_nothing(made, long_wait):
     r, w = made
     X, y, _ = _chunk(50, 2, "float64", weights=False)
     w.write(1, [X, y, None])
@@ -179,7 +202,7 @@ def test_a_stale_write_is_dropped_and_leaves_the_slot_alone(made):
     _same(r.parts(note2)[0], before)
 
 
-def test_a_ring_starting_later_in_the_stream(tmp_path):
+def test_a_ring_starting_later_in_the_stream(tmp_path, long_wait):
     r = ChunkRing.create(str(tmp_path), n_slots=3, slot_bytes=4096, start=5)
     w = RingWriter.attach(r.spec)
     try:
@@ -201,7 +224,7 @@ def test_a_ring_starting_later_in_the_stream(tmp_path):
         r.close()
 
 
-def test_a_writer_waiting_for_a_slot_raises_once_closed(made):
+def test_a_writer_waiting_for_a_slot_raises_once_closed(made, long_wait):
     _r, w = made
     X, y, _ = _chunk(20, 2, "float64", weights=False)
     w.write(0, [X, y, None])
@@ -453,7 +476,7 @@ def test_closing_the_receiver_detaches_the_relays(receiving, short_dir):
     assert _names(short_dir) == []
 
 
-def test_a_relay_waiting_for_a_slot_is_freed_when_the_engine_side_closes(receiving):
+def test_a_relay_waiting_for_a_slot_is_freed_when_the_engine_side_closes(receiving, long_wait):
     r, rec, _got = receiving
     assert attach_relay(r.spec)
     rec.seal()
@@ -515,13 +538,15 @@ def test_a_note_whose_chunk_cannot_be_mapped_becomes_a_bad_chunk(receiving, shor
 
 def test_a_receiver_on_a_taken_socket_is_a_ring_error(short_dir):
     r = ChunkRing.create(short_dir, n_slots=1, slot_bytes=4096)
+    taken = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
-        with open(r.spec.socket, "w"):
-            pass  # the listener's name is taken
+        taken.bind(r.spec.socket)  # the listener's address is in use
         with pytest.raises(RingError, match="cannot listen"):
             RelayReceiver(r, lambda item: None)
     finally:
-        os.unlink(r.spec.socket)
+        taken.close()
+        if not r.spec.socket.startswith("\0"):
+            os.unlink(r.spec.socket)
         r.close()
 
 
