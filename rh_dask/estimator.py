@@ -86,16 +86,21 @@ class RenewableHuberRegressor(RegressorMixin, BaseEstimator):
         parallel, while it fits the current one. Look-ahead host memory is
         bounded by this many chunks. See ``docs/distributed.md`` for how the
         default was measured.
-    loader : {"auto", "actor", "engine-worker", "cluster"}, default="auto"
+    loader : {"auto", "actor", "engine-worker", "cluster", "relay"}, default="auto"
         Dask streams only: where chunks load. ``"actor"`` sends the chunk
         graphs to the worker holding the engine once, and that worker computes
         them on its own threads, with no scheduler task per chunk (it needs a
         collection that worker can compute alone: not one referencing data
         persisted on the cluster). ``"engine-worker"`` runs one Dask task per
         chunk on that worker; ``"cluster"`` computes chunks on any worker and
-        moves each finished chunk to the engine's worker. ``"auto"`` picks
-        ``"actor"`` when possible, else ``"engine-worker"`` unless that worker
-        has a single thread and other workers exist.
+        moves each finished chunk to the engine's worker. ``"relay"`` computes
+        chunks on the workers off the engine's node and hands each finished
+        chunk to the engine through a relay worker on its node, in shared
+        memory (``docs/distributed.md``, "Relays"). ``"auto"`` picks
+        ``"relay"`` when the engine's node has workers advertising the
+        ``relay`` resource and other workers exist to load, else ``"actor"``
+        when possible, else ``"engine-worker"`` unless that worker has a
+        single thread and other workers exist.
     worker : str, default=None
         Dask streams only: address of the worker that hosts the engine actor.
         ``None`` picks one: a worker advertising ``resources={"GPU": 1}`` for
@@ -174,10 +179,11 @@ class RenewableHuberRegressor(RegressorMixin, BaseEstimator):
         Where the engine ran for the last call that consumed a batch, when
         that call walked a Dask collection on a ``distributed`` cluster: the
         keys ``worker`` (address), ``loader`` (``"actor"``,
-        ``"engine-worker"`` or ``"cluster"``: ``"auto"`` resolved), ``engine``,
-        ``lookahead`` and ``engine_reused`` (whether the worker still held an
-        idle engine from an earlier fit, see
-        :func:`rh_dask.distributed.release_engines`).
+        ``"engine-worker"``, ``"cluster"`` or ``"relay"``: ``"auto"``
+        resolved), ``engine``, ``lookahead`` and ``engine_reused`` (whether
+        the worker still held an idle engine from an earlier fit, see
+        :func:`rh_dask.distributed.release_engines`); with ``"relay"`` also
+        ``relays`` and ``loaders`` (worker addresses).
         ``None`` after an in-memory batch or a walk without a client.
 
     Examples

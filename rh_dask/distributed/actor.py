@@ -9,7 +9,9 @@ actor's worker, finds the actor in that worker's memory and drops the loaded
 batch into its inbox (:func:`deliver_chunk`). The coordinator's calls are
 ``begin``, ``feed`` (with that loader), a long-polling ``progress`` and
 ``end``, then ``close``, which parks a cleanly stopped engine on the worker
-for the next actor (:mod:`.shelf`).
+for the next actor (:mod:`.shelf`). With ``loader="relay"`` chunks reach the
+actor through the stream's shared-memory ring instead (``open_relay``,
+``seal_relay``, :mod:`.relay`): relay workers on this node write them there.
 
 When the engine offers a pinned pool (the GPU engine), the delivering task
 copies its batch into page-locked memory before handing it over. The copy
