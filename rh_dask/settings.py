@@ -232,6 +232,10 @@ class Settings:
         ``rh-dask.relay.slot-bytes``: bytes of one slot of the ring (0, from
         ``"auto"``: the largest chunk of an array stream, 128 MiB for a
         DataFrame stream; a larger chunk travels in a file of its own).
+    relay_heap_for_chunks : bool
+        ``rh-dask.relay.heap-for-chunks``: a relay worker's process serves
+        chunk-sized allocations from malloc's heap while it relays a stream
+        (restored when the last stream it relays ends).
     """
 
     in_process_max_rows: int = 10_000_000
@@ -249,6 +253,7 @@ class Settings:
     relay_resource: str = "relay"
     relay_directory: str = "auto"
     relay_slot_bytes: int = 0
+    relay_heap_for_chunks: bool = True
 
     @classmethod
     def from_config(cls) -> Settings:
@@ -299,6 +304,7 @@ _KEYS: dict[str, tuple[str, Callable[[str, Any], Any]]] = {
     "relay_resource": ("rh-dask.relay.resource", _name),
     "relay_directory": ("rh-dask.relay.directory", _directory),
     "relay_slot_bytes": ("rh-dask.relay.slot-bytes", _size_or_auto),
+    "relay_heap_for_chunks": ("rh-dask.relay.heap-for-chunks", _flag),
 }
 
 

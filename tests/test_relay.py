@@ -466,9 +466,9 @@ def test_a_resumed_relay_walk_starts_its_ring_at_the_checkpoint(
     starts: list[int] = []
     make = ChunkRing.create.__func__
 
-    def recorded(cls, directory, n_slots, slot_bytes, start=0):
+    def recorded(cls, directory, n_slots, slot_bytes, start=0, **kwargs):
         starts.append(start)
-        return make(cls, directory, n_slots, slot_bytes, start)
+        return make(cls, directory, n_slots, slot_bytes, start, **kwargs)
 
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(ChunkRing, "create", classmethod(recorded))

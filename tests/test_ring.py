@@ -562,3 +562,30 @@ def test_a_ring_directory_with_a_long_path_can_take_relays(tmp_path):
         rec.close()
     finally:
         r.close()
+
+
+def test_relays_keep_chunks_on_the_heap_while_attached_and_restore_after(tmp_path, monkeypatch):
+    # Process-wide: the first ring asking for it switches malloc, the last
+    # one to go restores it.
+    calls: list[str] = []
+
+    def switch():
+        calls.append("on")
+        return lambda: calls.append("off")
+
+    monkeypatch.setattr(relay.memory, "heap_for_chunks", switch)
+    rings = [ChunkRing.create(str(tmp_path), 1, 4096, heap_for_chunks=True) for _ in range(2)]
+    receivers = [RelayReceiver(r, lambda item: None) for r in rings]
+    try:
+        for rec in receivers:
+            rec.start()
+        assert attach_relay(rings[0].spec) and attach_relay(rings[1].spec)
+        assert calls == ["on"]
+        relay.detach_relay(rings[0].spec.ring_id)
+        assert calls == ["on"]
+        relay.detach_relay(rings[1].spec.ring_id)
+        assert calls == ["on", "off"]
+    finally:
+        for rec, r in zip(receivers, rings, strict=True):
+            rec.close()
+            r.close()

@@ -149,7 +149,8 @@ class EngineActor:
         directory = self.settings.relay_directory
         if directory == "auto":
             directory = default_directory()
-        ring = ChunkRing.create(directory, n_slots, slot_bytes, start)
+        heap = self.settings.relay_heap_for_chunks
+        ring = ChunkRing.create(directory, n_slots, slot_bytes, start, heap_for_chunks=heap)
         try:
             receiver = RelayReceiver(ring, lambda item: self._relayed(stream_id, ring, item))
         except BaseException:

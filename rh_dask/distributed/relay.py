@@ -35,6 +35,7 @@ from typing import Any
 
 import numpy as np
 
+from . import memory
 from .items import BadChunk, ChunkItem, LoadedChunk
 from .ring import ChunkRing, RingError, RingSpec, RingWriter, SlotNote
 
@@ -47,6 +48,9 @@ _ACCEPT_POLL_SECONDS = 0.2
 
 _lock = threading.Lock()
 _attached: dict[str, _Relay] = {}
+#: Attached rings that asked for chunk-sized allocations on the heap, and how
+#: to restore this process's malloc once none does (see :mod:`.memory`).
+_heap = {"users": 0, "restore": None}
 
 
 class _Relay:
@@ -119,8 +123,12 @@ def attach_relay(spec: RingSpec) -> bool:
     with _lock:
         if spec.ring_id in _attached:  # attached meanwhile by another thread
             relay.close()
-        else:
-            _attached[spec.ring_id] = relay
+            return True
+        _attached[spec.ring_id] = relay
+        if spec.heap_for_chunks:
+            _heap["users"] += 1
+            if _heap["users"] == 1:
+                _heap["restore"] = memory.heap_for_chunks()
     return True
 
 
@@ -128,9 +136,16 @@ def detach_relay(ring_id: str) -> bool:
     """Let go of a ring in this process; False if it was not attached."""
     with _lock:
         relay = _attached.pop(ring_id, None)
+        restore = None
+        if relay is not None and relay.spec.heap_for_chunks:
+            _heap["users"] -= 1
+            if _heap["users"] == 0:
+                restore, _heap["restore"] = _heap["restore"], None
     if relay is None:
         return False
     relay.close()
+    if restore is not None:
+        restore()
     return True
 
 

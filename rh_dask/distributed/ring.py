@@ -94,6 +94,9 @@ class RingSpec:
         that maps another node's file of the same name is not taken as a relay.
     authkey : bytes
         The listener's key (``multiprocessing.connection``).
+    heap_for_chunks : bool
+        Whether a relay keeps chunk-sized allocations on malloc's heap while
+        it is attached (:func:`rh_dask.distributed.memory.heap_for_chunks`).
     """
 
     ring_id: str
@@ -104,6 +107,7 @@ class RingSpec:
     start: int
     token: bytes
     authkey: bytes
+    heap_for_chunks: bool = False
 
     @property
     def size(self) -> int:
@@ -188,6 +192,18 @@ def _allocate(fd: int, size: int, path: str) -> None:
         ) from exc
 
 
+def _map(fd: int, size: int, prot: int = mmap.PROT_READ | mmap.PROT_WRITE) -> mmap.mmap:
+    """Map ``size`` bytes of ``fd`` shared, its page tables filled at once where Linux can.
+
+    Touching a fresh mapping page by page costs a fault per 4 KiB: on the
+    2-core dev box the first write of a 0.8 GB ring took 0.31 s that way and
+    0.06 s after a populated mapping (0.06 s to map), and every relay and
+    the engine's process map each new ring.
+    """
+    flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+    return mmap.mmap(fd, size, flags=flags, prot=prot)
+
+
 def _views(buffer: Any, base: int, parts: Sequence[PartLayout | None]) -> list[np.ndarray | None]:
     out: list[np.ndarray | None] = []
     for p in parts:
@@ -206,7 +222,7 @@ class _Mapped:
     def __init__(self, fd: int, spec: RingSpec) -> None:
         self.fd = fd
         self.spec = spec
-        self.map = mmap.mmap(fd, spec.size)
+        self.map = _map(fd, spec.size)
         self.owner = np.frombuffer(self.map, np.int64, spec.n_slots, _OWNER_OFFSET)
         self._thread_locks = [threading.Lock() for _ in range(spec.n_slots)]
 
@@ -264,8 +280,17 @@ class ChunkRing:
         self._closed = False
 
     @classmethod
-    def create(cls, directory: str, n_slots: int, slot_bytes: int, start: int = 0) -> ChunkRing:
+    def create(
+        cls,
+        directory: str,
+        n_slots: int,
+        slot_bytes: int,
+        start: int = 0,
+        heap_for_chunks: bool = False,
+    ) -> ChunkRing:
         """Make a ring of ``n_slots`` slots of ``slot_bytes`` in ``directory``.
+
+        ``heap_for_chunks`` goes to the relays with the ring's spec.
 
         Raises
         ------
@@ -288,6 +313,7 @@ class ChunkRing:
             start=int(start),
             token=secrets.token_bytes(_TOKEN_BYTES),
             authkey=secrets.token_bytes(32),
+            heap_for_chunks=bool(heap_for_chunks),
         )
         try:
             fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
@@ -316,7 +342,7 @@ class ChunkRing:
         fd = os.open(note.overflow, os.O_RDONLY)
         try:
             size = os.fstat(fd).st_size
-            mapped = mmap.mmap(fd, size, prot=mmap.PROT_READ)
+            mapped = _map(fd, size, prot=mmap.PROT_READ)
         finally:
             os.close(fd)
             os.unlink(note.overflow)
@@ -453,7 +479,7 @@ class RingWriter:
             raise RingError(f"cannot make {path!r} for a chunk larger than a slot: {exc}") from exc
         try:
             _allocate(fd, max(needed, 1), path)
-            mapped = mmap.mmap(fd, max(needed, 1))
+            mapped = _map(fd, max(needed, 1))
             try:
                 for dst, src in zip(_views(mapped, 0, parts), arrays, strict=True):
                     if dst is not None:
