@@ -253,7 +253,7 @@ class Settings:
     relay_resource: str = "relay"
     relay_directory: str = "auto"
     relay_slot_bytes: int = 0
-    relay_heap_for_chunks: bool = True
+    relay_heap_for_chunks: bool = False
 
     @classmethod
     def from_config(cls) -> Settings:
