@@ -22,6 +22,8 @@ from .config import HuberConfig
 from .core import linear_predictor
 from .engines import resolve_engine_name
 from .exceptions import NotFittedError, ValidationError
+from .inference import Summary, covariance, standard_errors, summarize
+from .inference import confidence_intervals as _confidence_intervals
 from .state import BatchDiagnostics, HuberState
 from .stream import HISTORY_COLUMNS, BatchRecord, Stream, history_frame, recovery_frame
 from .validation import (
@@ -175,6 +177,15 @@ class RenewableHuberRegressor(RegressorMixin, BaseEstimator):
         chunk the stream went on from), ``chunks_replayed`` (chunks the lost
         engine had consumed since that checkpoint, as last reported),
         ``detect_seconds`` and ``recover_seconds``.
+    cov_ : ndarray of shape (n_params, n_params)
+        The sandwich covariance J⁻¹ K J⁻¹ of the coefficients followed by the
+        intercept (the order of ``state_.coefficients``), on the scale of the
+        coefficients, in float64. Raises
+        :class:`~rh_dask.exceptions.InferenceError` for ``penalty="l1"``, for
+        a stream without the score variance K (the GPU engine, a checkpoint
+        older than format version 2) and for a singular J.
+    bse_ : ndarray of shape (n_params,)
+        Standard errors, √diag(``cov_``), in the same order.
     placement_ : dict or None
         Where the engine ran for the last call that consumed a batch, when
         that call walked a Dask collection on a ``distributed`` cluster: the
@@ -600,6 +611,75 @@ class RenewableHuberRegressor(RegressorMixin, BaseEstimator):
     def n_samples_seen_(self) -> int:
         """Rows consumed since the last reset."""
         return self._require_fitted().n_samples_seen
+
+    # -- inference -----------------------------------------------------------------
+    def _covariance(self) -> tuple[Stream, HuberState, np.ndarray]:
+        stream = self._require_fitted()
+        state = stream.state()
+        cov = covariance(state, stream.config.penalty, engine=stream.engine_name)
+        return stream, state, cov
+
+    @property
+    def cov_(self) -> np.ndarray:
+        """Sandwich covariance J⁻¹ K J⁻¹ of (coefficients, intercept), float64 (see the class)."""
+        return self._covariance()[2]
+
+    @property
+    def bse_(self) -> np.ndarray:
+        """Standard errors of (coefficients, intercept): √diag(``cov_``)."""
+        return standard_errors(self.cov_)
+
+    def conf_int(self, alpha: float = 0.05) -> np.ndarray:
+        """Normal confidence intervals at level 1 − ``alpha`` from the sandwich covariance.
+
+        Parameters
+        ----------
+        alpha : float, default=0.05
+            In (0, 1); 0.05 gives 95% intervals.
+
+        Returns
+        -------
+        ndarray of shape (n_params, 2)
+            Lower and upper bounds, the coefficients' rows then the intercept's.
+
+        Raises
+        ------
+        NotFittedError
+            Before any batch.
+        InferenceError
+            ``penalty="l1"``, a stream without K, or a singular J (see ``cov_``).
+        ValidationError
+            ``alpha`` outside (0, 1).
+        """
+        _, state, cov = self._covariance()
+        return _confidence_intervals(state.coefficients, standard_errors(cov), alpha)
+
+    def summary(self, alpha: float = 0.05) -> Summary:
+        """A coefficient table: coef, std err, z, P>|z| and the (1 − ``alpha``) interval.
+
+        Returns
+        -------
+        rh_dask.inference.Summary
+            ``.table`` is a pandas DataFrame indexed by the feature names (or
+            ``x0``, ``x1``, ...) then ``"intercept"``; ``str(summary)`` is the
+            text form with the stream's rows, batches, τ, penalty and dtype.
+
+        Raises
+        ------
+        NotFittedError, InferenceError, ValidationError
+            As :meth:`conf_int`.
+        """
+        stream = self._require_fitted()
+        config = stream.config
+        return summarize(
+            stream.state(),
+            tau=config.tau,
+            penalty=config.penalty,
+            dtype=config.dtype,
+            feature_names=stream.feature_names,
+            engine=stream.engine_name,
+            alpha=alpha,
+        )
 
     # -- prediction ----------------------------------------------------------------
     def predict(self, X: Any) -> Any:

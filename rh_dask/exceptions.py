@@ -14,6 +14,7 @@ __all__ = [
     "CheckpointError",
     "DetachedFitError",
     "EngineUnavailableError",
+    "InferenceError",
     "InputError",
     "InputTypeError",
     "MissingExtraError",
@@ -146,6 +147,18 @@ class InputError(RhDaskError, ValueError):
     def __init__(self, message: str, path: str | None = None) -> None:
         super().__init__(message)
         self.path = path
+
+
+class InferenceError(RhDaskError, ValueError):
+    """A fitted model's covariance (``cov_``, ``bse_``, ``conf_int``, ``summary``) is unavailable.
+
+    Raised for ``penalty="l1"`` (the sandwich is no valid interval for
+    coefficients the lasso selected), for a state without the accumulated
+    score variance K (restored from a checkpoint older than format version 2,
+    or fitted by the GPU engine, which does not accumulate it), and for a
+    singular information matrix J. The message says which. The model is not
+    changed. Also a :class:`ValueError`.
+    """
 
 
 class MissingExtraError(RhDaskError, ImportError):

@@ -963,8 +963,22 @@ def _cmd_predict(args: argparse.Namespace, argv: Sequence[str]) -> int:
 
 def _cmd_info(args: argparse.Namespace, argv: Sequence[str]) -> int:
     from ..checkpoint import load_checkpoint
+    from ..exceptions import InferenceError
+    from ..inference import summarize
 
     ckpt = load_checkpoint(args.model)
+    try:
+        summary = summarize(
+            ckpt.state,
+            tau=ckpt.config.tau,
+            penalty=ckpt.config.penalty,
+            dtype=ckpt.config.dtype,
+            feature_names=ckpt.feature_names,
+            engine=ckpt.engine,
+        )
+        unavailable = None
+    except InferenceError as exc:
+        summary, unavailable = None, str(exc)
     state = ckpt.state
     d = state.n_features_in
     names = (
@@ -983,6 +997,7 @@ def _cmd_info(args: argparse.Namespace, argv: Sequence[str]) -> int:
         "counters": state.counters(),
         "feature_names": None if ckpt.feature_names is None else names,
         "coefficients": coefficients,
+        "inference": summary.to_dict() if summary is not None else {"unavailable": unavailable},
     }
     if args.json:
         print(json.dumps(record, indent=2))
@@ -1000,6 +1015,7 @@ def _cmd_info(args: argparse.Namespace, argv: Sequence[str]) -> int:
     ]
     width = max(len(n) for n in coefficients)
     lines += [f"  {name:<{width}}  {value: .6g}" for name, value in coefficients.items()]
+    lines += ["", summary.as_text()] if summary is not None else [f"inference: {unavailable}"]
     print("\n".join(lines))
     return EXIT_OK
 
