@@ -1,9 +1,13 @@
 """Portable checkpoints: one ``.npz`` holding the state and a JSON record.
 
-Layout (format version 1):
+Layout (format version 2):
 
 * ``coefficients`` (p,), ``information`` (p, p): the state's arrays, in the
   stream's dtype;
+* ``score_variance`` (p, p), in the stream's dtype: the state's K, the meat of
+  the sandwich covariance, present exactly when the state accumulates it (a
+  stream of an engine that does not, or one continued from a version-1 file,
+  has no such member);
 * ``feature_names``: a unicode array (empty when the stream had none);
 * ``metadata``: a 0-d unicode array holding JSON with ``format``,
   ``format_version``, ``library_version``, ``config``, ``counters``,
@@ -16,7 +20,10 @@ a ``walk`` key to the JSON record (``next_chunk``, ``n_chunks``, ``n_empty``,
 members: ``history`` (float64, one row per batch record, the columns of
 :data:`HISTORY_FIELDS`, every value exact in float64) and ``coef_history``
 (float64, β after each record). Both are covered by the digest. A checkpoint
-without a walk is written exactly as before: no ``walk`` key, no extra member.
+without a walk has no ``walk`` key and neither member.
+
+Version 1 is version 2 without ``score_variance``: such files are read, and
+give a state whose ``score_variance`` is None.
 
 Files are read with ``allow_pickle=False`` and every field is validated, so a
 checkpoint is safe to load from an untrusted source and loadable on a machine
@@ -50,6 +57,7 @@ __all__ = [
     "FORMAT",
     "FORMAT_VERSION",
     "HISTORY_FIELDS",
+    "READ_VERSIONS",
     "Checkpoint",
     "WalkPosition",
     "checkpoint_bytes",
@@ -59,8 +67,12 @@ __all__ = [
 ]
 
 FORMAT = "rh-dask-checkpoint"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+#: Format versions this rh-dask reads (version 1 has no ``score_variance`` member).
+READ_VERSIONS = (1, 2)
 _ARRAYS = ("coefficients", "information", "feature_names")
+#: The member holding the state's K, when the state has it (from format version 2).
+_SCORE_ARRAY = "score_variance"
 #: Members only a walk checkpoint has.
 _WALK_ARRAYS = ("history", "coef_history")
 #: Columns of a walk checkpoint's ``history`` member, one row per batch record.
@@ -193,7 +205,11 @@ class Checkpoint:
 
 def _digest(arrays: dict[str, np.ndarray], record: dict[str, Any]) -> str:
     h = hashlib.sha256()
-    names = _ARRAYS + (_WALK_ARRAYS if "walk" in record else ())
+    names = (
+        _ARRAYS
+        + ((_SCORE_ARRAY,) if _SCORE_ARRAY in arrays else ())
+        + (_WALK_ARRAYS if "walk" in record else ())
+    )
     for name in names:
         arr = arrays[name]
         h.update(name.encode())
@@ -220,6 +236,8 @@ def checkpoint_bytes(checkpoint: Checkpoint) -> bytes:
         "information": np.ascontiguousarray(checkpoint.state.information),
         "feature_names": np.asarray([] if names is None else [str(n) for n in names], dtype=str),
     }
+    if checkpoint.state.score_variance is not None:
+        arrays[_SCORE_ARRAY] = np.ascontiguousarray(checkpoint.state.score_variance)
     record = {
         "format": FORMAT,
         "format_version": FORMAT_VERSION,
@@ -359,6 +377,7 @@ def checkpoint_from_bytes(data: bytes, source: str) -> Checkpoint:
             weight_sum=float(counters["weight_sum"]),
             n_features_in=int(counters["n_features_in"]),
             fit_intercept=bool(counters["fit_intercept"]),
+            score_variance=arrays.get(_SCORE_ARRAY),
         )
         state.validate(dtype=config.dtype)
         if state.fit_intercept != config.fit_intercept:
@@ -593,12 +612,18 @@ def _declared_arrays(source: str, archive: zipfile.ZipFile, size: int) -> dict[s
     members = {info.filename: info for info in archive.infolist()}
     found = sorted(name.removesuffix(".npy") for name in members)
     plain = sorted(["metadata", *_ARRAYS])
-    walk = sorted([*plain, *_WALK_ARRAYS])
-    expected = walk if len(found) == len(walk) else plain
-    if found != expected or set(members) != {f"{name}.npy" for name in expected}:
+    optional = {_SCORE_ARRAY, *_WALK_ARRAYS}
+    expected = sorted(plain + [name for name in found if name in optional])
+    has_walk = [name for name in _WALK_ARRAYS if name in found]
+    if (
+        found != expected
+        or set(members) != {f"{name}.npy" for name in expected}
+        or has_walk not in ([], list(_WALK_ARRAYS))
+    ):
         raise CheckpointError(
             f"{source} is not an rh-dask checkpoint (arrays {found}, expected {plain}, "
-            f"or {walk} for a walk checkpoint)"
+            f"plus {_SCORE_ARRAY!r} for a state with a score variance and "
+            f"{list(_WALK_ARRAYS)} for a walk checkpoint)"
         )
     declared = {}
     for member, info in members.items():
@@ -647,10 +672,10 @@ def _read_record(source: str, archive: zipfile.ZipFile, declared: _Declared) -> 
     if not isinstance(record, dict) or record.get("format") != FORMAT:
         raise CheckpointError(f"{source} is not an rh-dask checkpoint")
     version = record.get("format_version")
-    if version != FORMAT_VERSION:
+    if isinstance(version, bool) or version not in READ_VERSIONS:
         raise CheckpointError(
             f"{source} has checkpoint format version {version!r}; this rh-dask "
-            f"({__version__}) reads version {FORMAT_VERSION}"
+            f"({__version__}) reads versions {', '.join(map(str, READ_VERSIONS))}"
         )
     return record
 
@@ -683,6 +708,10 @@ def _check_declared(
             if not isinstance(walk, dict):
                 raise ValidationError(f"walk is {type(walk).__name__}, not an object")
             n_records = _count("walk n_records", walk["n_records"])
+        if _SCORE_ARRAY in declared and record["format_version"] == 1:
+            raise ValidationError(
+                f"a format version 1 checkpoint has no {_SCORE_ARRAY} member (added in version 2)"
+            )
     except (KeyError, TypeError, ValueError) as exc:
         raise CheckpointError(f"{source} is inconsistent: {exc}") from exc
     coef_shape, info_shape = HuberState.shapes(d, fit_intercept)
@@ -690,6 +719,8 @@ def _check_declared(
         "coefficients": (config.np_dtype, coef_shape),
         "information": (config.np_dtype, info_shape),
     }
+    if _SCORE_ARRAY in declared:
+        wanted[_SCORE_ARRAY] = (config.np_dtype, info_shape)
     if walk is not None:
         float64 = np.dtype(np.float64)
         wanted["history"] = (float64, (n_records, len(HISTORY_FIELDS)))

@@ -35,6 +35,12 @@ class HuberState:
         Number of features d (not parameters).
     fit_intercept : bool
         Whether the last parameter is an intercept.
+    score_variance : ndarray of shape (p, p) or None
+        K, the accumulated (unnormalised) score variance Σ w ψ(r)² z zᵀ, each
+        batch's rows at that batch's final β, ordered like ``information``:
+        the meat of the sandwich covariance J⁻¹ K J⁻¹. ``None`` when the
+        stream's K was not accumulated (a format-1 checkpoint, an engine that
+        does not accumulate it); such a state continues with ``None``.
     """
 
     coefficients: np.ndarray
@@ -45,14 +51,16 @@ class HuberState:
     weight_sum: float = 0.0
     n_features_in: int = 0
     fit_intercept: bool = True
+    score_variance: np.ndarray | None = None
 
     @classmethod
     def empty(cls, n_features: int, fit_intercept: bool, dtype: np.dtype | str) -> HuberState:
-        """The state before the first batch: β = 0, J = 0, counters 0."""
+        """The state before the first batch: β = 0, J = 0, K = 0, counters 0."""
         p = n_features + int(fit_intercept)
         return cls(
             coefficients=np.zeros(p, dtype=dtype),
             information=np.zeros((p, p), dtype=dtype),
+            score_variance=np.zeros((p, p), dtype=dtype),
             n_features_in=int(n_features),
             fit_intercept=bool(fit_intercept),
         )
@@ -77,6 +85,9 @@ class HuberState:
             weight_sum=self.weight_sum,
             n_features_in=self.n_features_in,
             fit_intercept=self.fit_intercept,
+            score_variance=None
+            if self.score_variance is None
+            else np.array(self.score_variance, copy=True),
         )
 
     def astype(self, dtype: np.dtype | str) -> HuberState:
@@ -84,6 +95,8 @@ class HuberState:
         out = self.copy()
         out.coefficients = out.coefficients.astype(dtype)
         out.information = out.information.astype(dtype)
+        if out.score_variance is not None:
+            out.score_variance = out.score_variance.astype(dtype)
         return out
 
     def for_engine(self, fit_intercept: bool, dtype: np.dtype | str) -> HuberState:
@@ -137,7 +150,20 @@ class HuberState:
             raise ValidationError(f"state coefficients have shape {beta.shape}, expected ({p},)")
         if info.shape != info_shape:
             raise ValidationError(f"state information has shape {info.shape}, expected ({p}, {p})")
-        for name, arr in (("coefficients", beta), ("information", info)):
+        arrays = [("coefficients", beta), ("information", info)]
+        if self.score_variance is not None:
+            meat = np.asarray(self.score_variance)
+            if meat.shape != info_shape:
+                raise ValidationError(
+                    f"state score_variance has shape {meat.shape}, expected ({p}, {p})"
+                )
+            if meat.dtype != info.dtype:
+                raise ValidationError(
+                    f"state score_variance dtype {meat.dtype} differs from the information's "
+                    f"{info.dtype}"
+                )
+            arrays.append(("score_variance", meat))
+        for name, arr in arrays:
             if arr.dtype.kind != "f":
                 raise ValidationError(f"state {name} must be floating point, got {arr.dtype}")
             if dtype is not None and arr.dtype != np.dtype(dtype):
@@ -156,12 +182,22 @@ class HuberState:
             )
 
     def equals(self, other: HuberState) -> bool:
-        """Bit-for-bit equality of arrays and counters."""
+        """Bit-for-bit equality of arrays and counters.
+
+        ``score_variance`` takes part: ``None`` equals only ``None``.
+        """
+        meat, other_meat = self.score_variance, other.score_variance
+        if (meat is None) != (other_meat is None):
+            return False
         return (
             self.counters() == other.counters()
             and np.array_equal(self.coefficients, other.coefficients)
             and np.array_equal(self.information, other.information)
             and self.coefficients.dtype == other.coefficients.dtype
+            and (
+                meat is None
+                or (np.array_equal(meat, other_meat) and meat.dtype == other_meat.dtype)
+            )
         )
 
 

@@ -90,6 +90,7 @@ def model_snapshot(model: Any) -> dict[str, Any]:
     snap.update(
         coefficients=state.coefficients.copy(),
         information=state.information.copy(),
+        score_variance=None if state.score_variance is None else state.score_variance.copy(),
         counters=state.counters(),
         # A model restored from a checkpoint has no last-batch diagnostics yet.
         diagnostics=getattr(model, "diagnostics_", None),

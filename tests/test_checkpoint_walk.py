@@ -186,6 +186,7 @@ def test_walk_members_and_json_key(walk_ckpt, stream):
                 "metadata",
                 "coefficients",
                 "information",
+                "score_variance",
                 "feature_names",
                 "history",
                 "coef_history",
@@ -201,7 +202,8 @@ def test_walk_members_and_json_key(walk_ckpt, stream):
     plain = Checkpoint(walk_ckpt.config, walk_ckpt.state, None, "numpy")
     with zipfile.ZipFile(io.BytesIO(checkpoint_bytes(plain))) as archive:
         assert sorted(archive.namelist()) == sorted(
-            f"{n}.npy" for n in ("metadata", "coefficients", "information", "feature_names")
+            f"{n}.npy"
+            for n in ("metadata", "coefficients", "information", "score_variance", "feature_names")
         )
         record = json.loads(str(np.load(io.BytesIO(archive.read("metadata.npy")))[()]))
     assert "walk" not in record

@@ -201,6 +201,15 @@ class _Batch:
             np.multiply(self.Z, k[:, None], out=scaled)
         return scaled.T @ scaled
 
+    def score_gram(self) -> np.ndarray:
+        """Zᵀ diag(w ⊙ ψ(r)²) Z through SYRK on (√w ⊙ |ψ|) ⊙ Z, at the evaluated r."""
+        s = np.abs(self.psi, out=self.t1)
+        if self.w is not None:
+            s *= np.sqrt(self.w, out=self.t2)
+        scaled = self.scaled
+        np.multiply(self.Z, s[:, None], out=scaled)
+        return scaled.T @ scaled
+
     def loss(self) -> float:
         """Σ w ρ(r) with ρ(r) = ψ (r − ψ/2)."""
         t = self.t1
@@ -301,12 +310,16 @@ class NumpyEngine:
             beta, iterations, converged = _solve_lamm(batch, cfg, schedule)
         else:
             beta, iterations, converged = _solve_newton(batch, cfg)
-        # Commit: r, κ and the Gram at the final β_b.
+        # Commit: r, κ, ψ and both Grams at the final β_b. K is accumulated only
+        # while the stream has it (a state imported without K continues without).
         batch.evaluate(beta)
         objective = batch.objective(beta)
         if cfg.penalised:
             objective += schedule.lambda_value * float(np.abs(beta * batch.mask).sum())
         information = state.information + batch.gram()
+        score_variance = None
+        if state.score_variance is not None:
+            score_variance = state.score_variance + batch.score_gram()
         self._state = HuberState(
             coefficients=beta,
             information=information,
@@ -316,6 +329,7 @@ class NumpyEngine:
             weight_sum=schedule.total_weight,
             n_features_in=d,
             fit_intercept=cfg.fit_intercept,
+            score_variance=score_variance,
         )
         return BatchDiagnostics(
             iterations=iterations,
