@@ -423,14 +423,16 @@ def test_95_percent_intervals_cover_about_95_percent_fast():
 
 
 @pytest.mark.slow
-def test_95_percent_intervals_cover_94_to_96_percent():
-    """200 replications, p = 10 (9 features and the intercept), N = 20,000 in 10 batches.
+@pytest.mark.parametrize("batches", [10, 100])
+def test_95_percent_intervals_cover_94_to_96_percent(batches):
+    """200 replications, p = 10 (9 features and the intercept), N = 20,000 in 10 or 100 batches.
 
     2,000 intervals per error law, 6,000 pooled: a standard error of 0.28
     points on the pooled coverage, so the 94-96% band is ±3.6 standard errors.
     """
     kinds = ("normal", "t3", "contaminated")
-    counts = {k: _coverage(k, 200, 9, 100 + i) for i, k in enumerate(kinds)}
+    seed = 100 if batches == 10 else 200
+    counts = {k: _coverage(k, 200, 9, seed + i, batches=batches) for i, k in enumerate(kinds)}
     covered, total = map(sum, zip(*counts.values(), strict=True))
     assert 0.94 <= covered / total <= 0.96, counts
     for kind, (c, t) in counts.items():
