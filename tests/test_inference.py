@@ -8,6 +8,7 @@ import re
 import numpy as np
 import pandas as pd
 import pytest
+from devices import gpu_usable
 from scipy import stats
 
 from rh_dask import (
@@ -437,3 +438,37 @@ def test_95_percent_intervals_cover_94_to_96_percent(batches):
     assert 0.94 <= covered / total <= 0.96, counts
     for kind, (c, t) in counts.items():
         assert 0.93 <= c / t <= 0.97, (kind, c, t)
+
+
+def test_a_gpu_engine_checkpoint_has_no_covariance_and_says_so(tmp_path, capsys):
+    """The GPU engine exports states with K = None; its checkpoints name it as the reason."""
+    from rh_dask.checkpoint import Checkpoint, save_checkpoint
+
+    fitted = _fitted()
+    state = fitted.state_
+    state.score_variance = None
+    path = save_checkpoint(
+        tmp_path / "gpu.npz",
+        Checkpoint(
+            config=fitted._make_config(),
+            state=state,
+            feature_names=fitted.feature_names_in_,
+            engine="gpu",
+        ),
+    )
+    model = RenewableHuberRegressor.load(path)
+    assert model.engine == "gpu"
+    with pytest.raises(InferenceError, match=r"GPU engine.*engine=\"numpy\""):
+        model.summary()
+    assert main(["info", str(path)]) == 0
+    lines = [x for x in capsys.readouterr().out.splitlines() if x.startswith("inference:")]
+    assert len(lines) == 1 and "GPU engine" in lines[0]
+
+
+@pytest.mark.skipif(not gpu_usable(), reason="no CUDA device visible to CuPy")
+def test_a_gpu_engine_fit_raises_inference_error_naming_the_engine():
+    rng = np.random.default_rng(0)
+    X = rng.normal(size=(2000, 3))
+    model = RenewableHuberRegressor(engine="gpu").fit(X, X.sum(axis=1) + rng.normal(size=2000))
+    with pytest.raises(InferenceError, match="GPU engine"):
+        model.cov_
