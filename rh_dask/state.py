@@ -157,15 +157,16 @@ class HuberState:
                 raise ValidationError(
                     f"state score_variance has shape {meat.shape}, expected ({p}, {p})"
                 )
-            if meat.dtype != info.dtype:
-                raise ValidationError(
-                    f"state score_variance dtype {meat.dtype} differs from the information's "
-                    f"{info.dtype}"
-                )
             arrays.append(("score_variance", meat))
         for name, arr in arrays:
             if arr.dtype.kind != "f":
                 raise ValidationError(f"state {name} must be floating point, got {arr.dtype}")
+        if self.score_variance is not None and arrays[-1][1].dtype != info.dtype:
+            raise ValidationError(
+                f"state score_variance dtype {arrays[-1][1].dtype} differs from the "
+                f"information's {info.dtype}"
+            )
+        for name, arr in arrays:
             if dtype is not None and arr.dtype != np.dtype(dtype):
                 raise ValidationError(f"state {name} dtype {arr.dtype} differs from {dtype}")
             if not np.all(np.isfinite(arr)):
