@@ -11,7 +11,9 @@ The public API:
 * the exceptions in :mod:`rh_dask.exceptions` and
   :class:`~rh_dask.settings.SettingError`: every error a user can cause;
 * :func:`read_parquet` and :func:`read_zarr` (:mod:`rh_dask.readers`), the
-  readers of Parquet datasets and Zarr stores.
+  readers of Parquet datasets and Zarr stores;
+* :func:`huber_loss`, :func:`huber_scorer` and :data:`neg_huber_loss`
+  (:mod:`rh_dask.metrics`), the robust criterion for choosing τ by validation.
 """
 
 from . import settings  # noqa: F401  (merges rh-dask.yaml into dask.config)
@@ -36,6 +38,7 @@ from .exceptions import (
     StreamError,
     ValidationError,
 )
+from .metrics import huber_loss, huber_scorer, neg_huber_loss
 from .readers import read_parquet, read_zarr
 from .settings import SettingError
 from .state import BatchDiagnostics, HuberState
@@ -64,7 +67,10 @@ __all__ = [
     "StreamError",
     "ValidationError",
     "__version__",
+    "huber_loss",
+    "huber_scorer",
     "make_engine",
+    "neg_huber_loss",
     "read_parquet",
     "read_zarr",
 ]
