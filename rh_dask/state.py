@@ -161,10 +161,10 @@ class HuberState:
         for name, arr in arrays:
             if arr.dtype.kind != "f":
                 raise ValidationError(f"state {name} must be floating point, got {arr.dtype}")
-        if self.score_variance is not None and arrays[-1][1].dtype != info.dtype:
+        if self.score_variance is not None and meat.dtype != info.dtype:
             raise ValidationError(
-                f"state score_variance dtype {arrays[-1][1].dtype} differs from the "
-                f"information's {info.dtype}"
+                f"state score_variance dtype {meat.dtype} differs from the information's "
+                f"{info.dtype}"
             )
         for name, arr in arrays:
             if dtype is not None and arr.dtype != np.dtype(dtype):

@@ -204,9 +204,8 @@ def resolve_loader(
             f"--resources {relay_resource}=1` on that node)"
         )
     if loader == "auto":
-        relays = advertised_relays(workers, host, relay_resource)
-        names = [w.address for w in relays]
-        if relays and set(w.address for w in loading_workers(workers, host, names)) - set(names):
+        relays = {w.address for w in advertised_relays(workers, host, relay_resource)}
+        if relays and any(w.address not in relays | {host.address} for w in workers):
             return "relay"
     if loader == "actor" and not self_contained:
         raise ValidationError(
@@ -539,8 +538,14 @@ class ClusterWalk:
         One submission per refill rather than per chunk: each costs the client
         and the scheduler a round of graph handling.
         """
-        pinned = {"workers": [address], "allow_other_workers": False}
+        pinned = _restricted([address])
         loaders = _restricted(self._loaders) if mode == "relay" else {}
+        # The task handing a loaded chunk over, where it runs, and its arguments:
+        # onto the actor's worker ("cluster"), into the ring through a relay ("relay").
+        hand_over = {
+            "cluster": ("rh-deliver", deliver_chunk, (self._actor.key, stream_id), pinned),
+            "relay": ("rh-relay", relay_chunk, (self._ring,), _restricted(self._relays)),
+        }.get(mode)
         layers: dict[str, MaterializedLayer] = {}
         deps: dict[str, set[str]] = {}
         wanted: list[Any] = []
@@ -554,24 +559,15 @@ class ClusterWalk:
             layers[name] = MaterializedLayer(graph.submission(i), annotations=load)
             deps[name] = set(deps)  # may reference shared keys of earlier chunks here
             out = item_key
-            if mode == "cluster":
-                # Loaded anywhere; only the hand-over runs on the actor's worker.
-                out = (f"rh-deliver-{stream_id}", i)
-                task = Task(out, deliver_chunk, TaskRef(item_key), self._actor.key, stream_id)
-                hand_over = f"rh-deliver-{stream_id}-{i}"
-                layers[hand_over] = MaterializedLayer(
-                    {out: task}, annotations={"priority": -i, **pinned}
+            if hand_over is not None:
+                prefix, fn, args, where = hand_over
+                out = (f"{prefix}-{stream_id}", i)
+                layer = f"{prefix}-{stream_id}-{i}"
+                layers[layer] = MaterializedLayer(
+                    {out: Task(out, fn, TaskRef(item_key), *args)},
+                    annotations={"priority": -i, **where},
                 )
-                deps[hand_over] = {name}
-            elif mode == "relay":
-                # Loaded off the engine's node; a relay there puts it in the ring.
-                out = (f"rh-relay-{stream_id}", i)
-                task = Task(out, relay_chunk, TaskRef(item_key), self._ring)
-                hand_over = f"rh-relay-{stream_id}-{i}"
-                layers[hand_over] = MaterializedLayer(
-                    {out: task}, annotations={"priority": -i, **_restricted(self._relays)}
-                )
-                deps[hand_over] = {name}
+                deps[layer] = {name}
             wanted += [out, *shared]
             outputs.append((i, out, shared))
         futures = self.client.get(HighLevelGraph(layers, deps), wanted, sync=False)

@@ -103,6 +103,12 @@ def node_of(address: str) -> str:
         return address.split("://", 1)[-1].split("/", 1)[0]
 
 
+def _node_peers(workers: list[WorkerInfo], host: WorkerInfo) -> list[WorkerInfo]:
+    """The workers on ``host``'s node other than ``host`` (addresses compared)."""
+    node = node_of(host.address)
+    return [w for w in workers if w.address != host.address and node_of(w.address) == node]
+
+
 def relay_candidates(
     workers: list[WorkerInfo], host: WorkerInfo, resource: str
 ) -> list[WorkerInfo]:
@@ -113,25 +119,16 @@ def relay_candidates(
     the address is compared here; attaching to the engine's ring confirms
     that a candidate shares the node's memory (:mod:`.relay`).
     """
-    node = node_of(host.address)
-    same = [w for w in workers if w.address != host.address and node_of(w.address) == node]
     if any(w.resources.get(resource, 0) > 0 for w in workers):
-        return [w for w in same if w.resources.get(resource, 0) > 0]
-    return same
+        return advertised_relays(workers, host, resource)
+    return _node_peers(workers, host)
 
 
 def advertised_relays(
     workers: list[WorkerInfo], host: WorkerInfo, resource: str
 ) -> list[WorkerInfo]:
     """The workers of the engine's node that advertise ``resource`` (``loader="auto"``)."""
-    node = node_of(host.address)
-    return [
-        w
-        for w in workers
-        if w.address != host.address
-        and node_of(w.address) == node
-        and w.resources.get(resource, 0) > 0
-    ]
+    return [w for w in _node_peers(workers, host) if w.resources.get(resource, 0) > 0]
 
 
 def loading_workers(

@@ -216,6 +216,15 @@ def _views(buffer: Any, base: int, parts: Sequence[PartLayout | None]) -> list[n
     return out
 
 
+def _copy_into(
+    buffer: Any, base: int, parts: Sequence[PartLayout | None], arrays: Sequence[Any]
+) -> None:
+    """Copy ``arrays`` into ``buffer`` where ``parts`` lays them out (no view outlives it)."""
+    for dst, src in zip(_views(buffer, base, parts), arrays, strict=True):
+        if dst is not None:
+            np.copyto(dst, src, casting="no")
+
+
 class _Mapped:
     """An open, mapped ring file and its per-slot locks (both sides use one)."""
 
@@ -456,13 +465,10 @@ class RingWriter:
             if time.monotonic() >= deadline:
                 return self._write_overflow(index, arrays, parts, needed)
             time.sleep(_OWNER_POLL_SECONDS)
-        base = self._mapped.slot_base(slot)
         with self._mapped.locked(slot):
             if int(self._mapped.owner[slot]) != index:
                 return None
-            for dst, src in zip(_views(self._mapped.map, base, parts), arrays, strict=True):
-                if dst is not None:
-                    np.copyto(dst, src, casting="no")
+            _copy_into(self._mapped.map, self._mapped.slot_base(slot), parts, arrays)
         return SlotNote(index, slot, parts)
 
     def _write_overflow(
@@ -481,15 +487,12 @@ class RingWriter:
             _allocate(fd, max(needed, 1), path)
             mapped = _map(fd, max(needed, 1))
             try:
-                for dst, src in zip(_views(mapped, 0, parts), arrays, strict=True):
-                    if dst is not None:
-                        np.copyto(dst, src, casting="no")
+                _copy_into(mapped, 0, parts, arrays)
             finally:
-                dst = None
-                try:
+                # A failed copy's traceback may still hold a view: the mapping
+                # then goes with it.
+                with contextlib.suppress(BufferError):
                     mapped.close()
-                except BufferError:
-                    pass
         except BaseException:
             os.close(fd)
             os.unlink(path)
