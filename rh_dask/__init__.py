@@ -4,6 +4,8 @@ The public API:
 
 * :class:`RenewableHuberRegressor`, a scikit-learn estimator that fits
   in-memory batches and Dask collections (row chunks are the batches);
+* :class:`RenewableHuberGridRegressor`, many τ (and λ scale) values fitted
+  from one pass over the stream and selected by prequential robust scores;
 * :class:`HuberConfig`, :class:`HuberState`, :class:`BatchDiagnostics`, the
   portable configuration, state and per-batch diagnostics;
 * :func:`make_engine` and the :class:`Engine` protocol, for callers that drive
@@ -38,6 +40,7 @@ from .exceptions import (
     StreamError,
     ValidationError,
 )
+from .grid_estimator import RenewableHuberGridRegressor
 from .metrics import huber_loss, huber_scorer, neg_huber_loss
 from .readers import read_parquet, read_zarr
 from .settings import SettingError
@@ -59,6 +62,7 @@ __all__ = [
     "MissingExtraError",
     "NotFittedError",
     "NumpyEngine",
+    "RenewableHuberGridRegressor",
     "RenewableHuberRegressor",
     "RhDaskError",
     "RingError",
