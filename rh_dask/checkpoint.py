@@ -337,7 +337,8 @@ def checkpoint_from_bytes(data: bytes, source: str) -> Checkpoint:
     Raises
     ------
     CheckpointError
-        If ``data`` is not an rh-dask checkpoint, of an unsupported version,
+        If ``data`` is neither an rh-dask checkpoint nor a renewable-huber one
+        (formats 1 and 2, read by :mod:`rh_dask.interop`), of an unsupported version,
         altered since it was written, or internally inconsistent (shapes,
         dtypes, counters, an unknown engine name, a walk's records or
         recoveries that do not fit its position or state).
@@ -350,9 +351,13 @@ def checkpoint_from_bytes(data: bytes, source: str) -> Checkpoint:
             f"{source} is not an rh-dask checkpoint: not a readable .npz archive "
             "(truncated, corrupted or another format)"
         )
+    from .interop import is_renewable_huber_archive, renewable_huber_checkpoint
+
     try:
         buffer.seek(0)
         with zipfile.ZipFile(buffer) as archive:
+            if is_renewable_huber_archive(archive):
+                return renewable_huber_checkpoint(archive, len(data), source)
             declared = _declared_arrays(source, archive, len(data))
             record = _read_record(source, archive, declared["metadata"])
             config = _check_declared(source, record, declared)
