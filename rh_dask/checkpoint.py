@@ -1,6 +1,6 @@
 """Portable checkpoints: one ``.npz`` holding the state and a JSON record.
 
-Layout (format version 2):
+Layout (format version 3):
 
 * ``coefficients`` (p,), ``information`` (p, p): the state's arrays, in the
   stream's dtype;
@@ -19,11 +19,15 @@ a ``walk`` key to the JSON record (``next_chunk``, ``n_chunks``, ``n_empty``,
 ``n_records``, the input's ``fingerprint`` and the ``recoveries``) and two
 members: ``history`` (float64, one row per batch record, the columns of
 :data:`HISTORY_FIELDS`, every value exact in float64) and ``coef_history``
-(float64, β after each record). Both are covered by the digest. A checkpoint
-without a walk has no ``walk`` key and neither member.
+(float64, β after each record), and ``diagnostics_history`` (float64, one
+row per record, the optional diagnostics
+:data:`~rh_dask.state.OPTIONAL_DIAGNOSTICS`, NaN where the engine did not
+report one). All three are covered by the digest. A checkpoint without a walk
+has no ``walk`` key and none of them.
 
-Version 1 is version 2 without ``score_variance``: such files are read, and
-give a state whose ``score_variance`` is None.
+Version 2 is version 3 without ``diagnostics_history`` (its records read with
+those diagnostics None); version 1 is version 2 without ``score_variance``
+(its state reads with ``score_variance`` None). Both are read.
 
 Files are read with ``allow_pickle=False`` and every field is validated, so a
 checkpoint is safe to load from an untrusted source and loadable on a machine
@@ -50,7 +54,7 @@ from ._version import __version__
 from .config import HuberConfig
 from .engines import ENGINE_NAMES
 from .exceptions import CheckpointError, ValidationError
-from .state import BatchDiagnostics, HuberState
+from .state import OPTIONAL_DIAGNOSTICS, BatchDiagnostics, HuberState
 from .stream import RECOVERY_COLUMNS, BatchRecord, Recovery
 
 __all__ = [
@@ -67,14 +71,17 @@ __all__ = [
 ]
 
 FORMAT = "rh-dask-checkpoint"
-FORMAT_VERSION = 2
-#: Format versions this rh-dask reads (version 1 has no ``score_variance`` member).
-READ_VERSIONS = (1, 2)
+FORMAT_VERSION = 3
+#: Format versions this rh-dask reads (version 1 has no ``score_variance`` member,
+#: versions 1 and 2 no ``diagnostics_history``).
+READ_VERSIONS = (1, 2, 3)
 _ARRAYS = ("coefficients", "information", "feature_names")
 #: The member holding the state's K, when the state has it (from format version 2).
 _SCORE_ARRAY = "score_variance"
 #: Members only a walk checkpoint has.
 _WALK_ARRAYS = ("history", "coef_history")
+#: The walk member holding the optional per-batch diagnostics (from format version 3).
+_DIAGNOSTICS_ARRAY = "diagnostics_history"
 #: Columns of a walk checkpoint's ``history`` member, one row per batch record.
 HISTORY_FIELDS = (
     "batch",
@@ -209,6 +216,7 @@ def _digest(arrays: dict[str, np.ndarray], record: dict[str, Any]) -> str:
         _ARRAYS
         + ((_SCORE_ARRAY,) if _SCORE_ARRAY in arrays else ())
         + (_WALK_ARRAYS if "walk" in record else ())
+        + ((_DIAGNOSTICS_ARRAY,) if _DIAGNOSTICS_ARRAY in arrays else ())
     )
     for name in names:
         arr = arrays[name]
@@ -417,6 +425,7 @@ def _walk_arrays(records: Sequence[BatchRecord], n_params: int) -> dict[str, np.
     """The ``history`` and ``coef_history`` members of ``records``."""
     history = np.empty((len(records), len(HISTORY_FIELDS)), dtype=np.float64)
     coef_history = np.empty((len(records), n_params), dtype=np.float64)
+    diagnostics = np.empty((len(records), len(OPTIONAL_DIAGNOSTICS)), dtype=np.float64)
     for i, r in enumerate(records):
         d = r.diagnostics
         history[i] = (
@@ -432,7 +441,11 @@ def _walk_arrays(records: Sequence[BatchRecord], n_params: int) -> dict[str, np.
             r.wait_seconds,
         )
         coef_history[i] = r.coefficients
-    return {"history": history, "coef_history": coef_history}
+        diagnostics[i] = [
+            math.nan if v is None else v
+            for v in (getattr(r.diagnostics, name) for name in OPTIONAL_DIAGNOSTICS)
+        ]
+    return {"history": history, "coef_history": coef_history, _DIAGNOSTICS_ARRAY: diagnostics}
 
 
 def _recovery_to_json(r: Recovery) -> dict[str, Any]:
@@ -468,9 +481,22 @@ def _recovery_from_json(index: int, raw: Any) -> Recovery:
     )
 
 
-def _records_from(history: np.ndarray, coef_history: np.ndarray) -> tuple[BatchRecord, ...]:
-    """Rebuild the batch records, refusing values an int or bool column cannot hold."""
+def _records_from(
+    history: np.ndarray, coef_history: np.ndarray, diagnostics: np.ndarray | None = None
+) -> tuple[BatchRecord, ...]:
+    """Rebuild the batch records, refusing values an int or bool column cannot hold.
+
+    ``diagnostics`` (format version 3) holds the optional diagnostics, NaN for
+    None; without it (versions 1 and 2) they are None.
+    """
     columns = {name: history[:, j] for j, name in enumerate(HISTORY_FIELDS)}
+    optional = [
+        {
+            name: None if diagnostics is None or math.isnan(v := float(diagnostics[i, j])) else v
+            for j, name in enumerate(OPTIONAL_DIAGNOSTICS)
+        }
+        for i in range(history.shape[0])
+    ]
     for name in _INTEGER_FIELDS:
         col = columns[name]
         bad = ~(np.isfinite(col) & (col == np.floor(col)) & (col >= 0) & (col < _MAX_EXACT))
@@ -497,6 +523,7 @@ def _records_from(history: np.ndarray, coef_history: np.ndarray) -> tuple[BatchR
                 objective=float(columns["objective"][i]),
                 lambda_value=float(columns["lambda_value"][i]),
                 bandwidth=float(columns["bandwidth"][i]),
+                **optional[i],
             ),
             seconds=float(columns["seconds"][i]),
             coefficients=np.array(coef_history[i], dtype=np.float64, copy=True),
@@ -520,7 +547,9 @@ def _walk_from(
     if not isinstance(entries, list):
         raise ValidationError(f"recoveries is {type(entries).__name__}, not a list")
     recoveries = tuple(_recovery_from_json(i, r) for i, r in enumerate(entries))
-    records = _records_from(arrays["history"], arrays["coef_history"])
+    records = _records_from(
+        arrays["history"], arrays["coef_history"], arrays.get(_DIAGNOSTICS_ARRAY)
+    )
     _check_walk(walk, records, recoveries, state)
     return walk, records, recoveries
 
@@ -573,6 +602,10 @@ def _check_walk(
         _number(f"{where}: wait_seconds", r.wait_seconds, minimum=0.0)
         _number(f"{where}: lambda_value", r.diagnostics.lambda_value, minimum=0.0)
         _number(f"{where}: bandwidth", r.diagnostics.bandwidth, minimum=0.0)
+        for name in OPTIONAL_DIAGNOSTICS:
+            value = getattr(r.diagnostics, name)
+            if value is not None:
+                _number(f"{where}: {name}", value, minimum=0.0)
         beta = np.asarray(r.coefficients)
         if beta.shape != (p,) or not np.all(np.isfinite(beta)):
             raise ValidationError(
@@ -617,7 +650,7 @@ def _declared_arrays(source: str, archive: zipfile.ZipFile, size: int) -> dict[s
     members = {info.filename: info for info in archive.infolist()}
     found = sorted(name.removesuffix(".npy") for name in members)
     plain = sorted(["metadata", *_ARRAYS])
-    optional = {_SCORE_ARRAY, *_WALK_ARRAYS}
+    optional = {_SCORE_ARRAY, _DIAGNOSTICS_ARRAY, *_WALK_ARRAYS}
     expected = sorted(plain + [name for name in found if name in optional])
     has_walk = [name for name in _WALK_ARRAYS if name in found]
     if (
@@ -628,7 +661,7 @@ def _declared_arrays(source: str, archive: zipfile.ZipFile, size: int) -> dict[s
         raise CheckpointError(
             f"{source} is not an rh-dask checkpoint (arrays {found}, expected {plain}, "
             f"plus {_SCORE_ARRAY!r} for a state with a score variance and "
-            f"{list(_WALK_ARRAYS)} for a walk checkpoint)"
+            f"{[*_WALK_ARRAYS, _DIAGNOSTICS_ARRAY]} for a walk checkpoint)"
         )
     declared = {}
     for member, info in members.items():
@@ -717,6 +750,14 @@ def _check_declared(
             raise ValidationError(
                 f"a format version 1 checkpoint has no {_SCORE_ARRAY} member (added in version 2)"
             )
+        diagnostics_expected = walk is not None and record["format_version"] >= 3
+        if (_DIAGNOSTICS_ARRAY in declared) != diagnostics_expected:
+            kind = "walk checkpoint" if walk is not None else "checkpoint without a walk"
+            rule = "needs" if diagnostics_expected else "has no"
+            raise ValidationError(
+                f"a format version {record['format_version']} {kind} {rule} a "
+                f"{_DIAGNOSTICS_ARRAY} member (walk checkpoints have one from version 3)"
+            )
     except (KeyError, TypeError, ValueError) as exc:
         raise CheckpointError(f"{source} is inconsistent: {exc}") from exc
     coef_shape, info_shape = HuberState.shapes(d, fit_intercept)
@@ -730,6 +771,8 @@ def _check_declared(
         float64 = np.dtype(np.float64)
         wanted["history"] = (float64, (n_records, len(HISTORY_FIELDS)))
         wanted["coef_history"] = (float64, (n_records, coef_shape[0]))
+        if diagnostics_expected:
+            wanted[_DIAGNOSTICS_ARRAY] = (float64, (n_records, len(OPTIONAL_DIAGNOSTICS)))
     for name, (dtype, shape) in wanted.items():
         got = declared[name]
         if got.dtype != dtype or got.shape != shape:

@@ -202,6 +202,10 @@ class HuberState:
         )
 
 
+#: The optional fields of :class:`BatchDiagnostics` (None when an engine does not report them).
+OPTIONAL_DIAGNOSTICS = ("mean_loss", "outlier_share", "residual_scale")
+
+
 @dataclass(frozen=True)
 class BatchDiagnostics:
     """What one batch's solve reports.
@@ -218,6 +222,17 @@ class BatchDiagnostics:
         Penalty level λ_b of the batch (0 without a penalty).
     bandwidth : float
         Smoothing bandwidth h of the batch.
+    mean_loss : float or None, default=None
+        Mean Huber loss Σ w ρ_τ(r) / Σ w of the batch's rows at its final β
+        (not the surrogate ``objective``, which is normalised by all the rows
+        seen so far and so falls like 1/N).
+    outlier_share : float or None, default=None
+        Weighted share of the batch's rows with |r| > τ at its final β.
+    residual_scale : float or None, default=None
+        1.4826 × the weighted MAD of the batch's residuals at its final β
+        (:mod:`rh_dask.residuals`).
+
+    The last three are None when the engine does not compute them.
     """
 
     iterations: int
@@ -225,6 +240,9 @@ class BatchDiagnostics:
     objective: float
     lambda_value: float
     bandwidth: float
+    mean_loss: float | None = None
+    outlier_share: float | None = None
+    residual_scale: float | None = None
 
-    def to_dict(self) -> dict[str, int | bool | float]:
+    def to_dict(self) -> dict[str, int | bool | float | None]:
         return {f.name: getattr(self, f.name) for f in fields(self)}

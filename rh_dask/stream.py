@@ -26,7 +26,7 @@ import pandas as pd
 from .config import HuberConfig
 from .engines import Engine, make_engine, resolve_engine_name
 from .exceptions import ValidationError
-from .state import BatchDiagnostics, HuberState
+from .state import OPTIONAL_DIAGNOSTICS, BatchDiagnostics, HuberState
 
 __all__ = [
     "HISTORY_COLUMNS",
@@ -48,8 +48,13 @@ HISTORY_COLUMNS = (
     "objective",
     "seconds",
     "wait_seconds",
+    "mean_loss",
+    "outlier_share",
+    "residual_scale",
 )
-_HISTORY_DTYPES = ("int64", "int64", "int64", "int64", "bool", "float64", "float64", "float64")
+_HISTORY_DTYPES = (
+    ("int64", "int64", "int64", "int64", "bool") + ("float64",) * 3 + ("float64",) * 3
+)
 
 
 @dataclass(frozen=True)
@@ -102,7 +107,13 @@ class BatchRecord:
             d.objective,
             self.seconds,
             self.wait_seconds,
+            *(_nan_if_none(getattr(d, name)) for name in OPTIONAL_DIAGNOSTICS),
         )
+
+
+def _nan_if_none(value: float | None) -> float:
+    """A diagnostic the engine did not report is NaN in ``history_``."""
+    return float("nan") if value is None else float(value)
 
 
 def history_frame(records: Sequence[BatchRecord]) -> pd.DataFrame:

@@ -239,13 +239,13 @@ def test_altered_content_fails_the_integrity_check(saved, tmp_path, edit):
         load_checkpoint(bad)
 
 
-@pytest.mark.parametrize("version", [3, 0, "2", True])
+@pytest.mark.parametrize("version", [4, 0, "2", True])
 def test_wrong_format_version(saved, tmp_path, version):
     path, _ = saved
     edit = lambda r, a: r.__setitem__("format_version", version)  # noqa: E731
     bad = _rewrite(path, tmp_path / "other_version.npz", edit)
     with pytest.raises(
-        CheckpointError, match=f"format version {version!r}; .* reads versions 1, 2"
+        CheckpointError, match=f"format version {version!r}; .* reads versions 1, 2, 3"
     ):
         load_checkpoint(bad)
 
@@ -504,7 +504,7 @@ def test_saving_into_a_read_only_directory_fails_cleanly(saved, tmp_path):
 # -- the version 2 layout of a model checkpoint -----------------------------------------------
 
 
-def test_a_model_checkpoint_has_only_the_version_2_entries(saved, tmp_path):
+def test_a_model_checkpoint_has_only_the_current_entries(saved, tmp_path):
     import zipfile
 
     from rh_dask.checkpoint import checkpoint_bytes, checkpoint_from_bytes
@@ -530,7 +530,7 @@ def test_a_model_checkpoint_has_only_the_version_2_entries(saved, tmp_path):
         "has_feature_names",
         "library_version",
     ]
-    assert record["format_version"] == 2
+    assert record["format_version"] == 3
     # The bytes API reads the file as load_checkpoint does, and writes the same entries.
     ckpt = checkpoint_from_bytes(path.read_bytes(), str(path))
     assert ckpt.walk is None and ckpt.records == () and ckpt.recoveries == ()

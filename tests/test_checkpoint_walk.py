@@ -190,6 +190,7 @@ def test_walk_members_and_json_key(walk_ckpt, stream):
                 "feature_names",
                 "history",
                 "coef_history",
+                "diagnostics_history",
             )
         )
         record = json.loads(str(np.load(io.BytesIO(archive.read("metadata.npy")))[()]))

@@ -240,7 +240,7 @@ def test_a_state_without_k_is_written_without_the_member(make_stream):
     state.score_variance = None
     data = checkpoint_bytes(Checkpoint(HuberConfig(), state, None, "gpu"))
     record, arrays = _members(data)
-    assert record["format_version"] == 2 and "score_variance" not in arrays
+    assert record["format_version"] == 3 and "score_variance" not in arrays
     back = checkpoint_from_bytes(data, "no-k")
     assert back.state.score_variance is None and back.state.equals(state)
 
@@ -329,10 +329,10 @@ def test_a_version_1_model_loads_without_k_and_continues(tmp_path):
     fresh.partial_fit(X, y, sample_weight=w)
     assert old.state_.score_variance is None and old.state_.batch_count == 3
     np.testing.assert_allclose(old.state_.coefficients, fresh.state_.coefficients, rtol=1e-8)
-    # Written again, it is a version-2 file without K, and stays without K.
+    # Written again, it is a current-version file without K, and stays without K.
     again = old.save(tmp_path / "continued.npz")
     record, arrays = _members(again.read_bytes())
-    assert record["format_version"] == 2 and "score_variance" not in arrays
+    assert record["format_version"] == 3 and "score_variance" not in arrays
     back = RenewableHuberRegressor.load(again)
     assert back.state_.score_variance is None and back.state_.equals(old.state_)
 

@@ -73,7 +73,12 @@ def test_history_has_the_documented_columns_and_dtypes_in_memory_and_on_dask(mak
         "float64",
         "float64",
         "float64",
+        "float64",
+        "float64",
+        "float64",
     ]
+    # The NumPy engine reports the optional diagnostics, in memory and on Dask.
+    assert history[["mean_loss", "outlier_share", "residual_scale"]].notna().all().all()
     assert history["batch"].tolist() == [0, 1, 2, 3]
     assert history["chunk"].tolist() == [0, 0, 1, 2]  # chunk index within each call
     assert history["rows"].tolist() == [100] * 4

@@ -23,7 +23,7 @@ from typing import Any
 
 from ..engines import Engine
 from ..exceptions import ValidationError
-from ..state import BatchDiagnostics, HuberState
+from ..state import OPTIONAL_DIAGNOSTICS, BatchDiagnostics, HuberState
 from ..stream import BatchRecord
 from .items import BadChunk, ChunkItem, EmptyChunk, LoadedChunk
 
@@ -407,6 +407,10 @@ class OrderedConsumer:
                 objective=float(diag.objective),
                 lambda_value=float(diag.lambda_value),
                 bandwidth=float(diag.bandwidth),
+                **{
+                    name: None if getattr(diag, name, None) is None else float(getattr(diag, name))
+                    for name in OPTIONAL_DIAGNOSTICS
+                },
             ),
             seconds=seconds,
             # A host copy in the engine's dtype: what crosses to the client is small.

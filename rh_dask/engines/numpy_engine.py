@@ -30,6 +30,7 @@ from ..core import (
     step_converged,
 )
 from ..exceptions import EngineUnavailableError, NotFittedError, ValidationError
+from ..residuals import outlier_share, residual_scale
 from ..state import BatchDiagnostics, HuberState
 from ..validation import check_width
 
@@ -228,6 +229,12 @@ class _Batch:
         np.subtract(dp, self.kappa, out=dp)
         return self.weighted_sum(np.multiply(u, dp, out=u))
 
+    def robust_diagnostics(self, batch_weight: float) -> tuple[float, float, float]:
+        """Mean Huber loss, share of rows with |r| > τ and 1.4826 × MAD at the evaluated r."""
+        mean_loss = self.loss() / batch_weight
+        share = outlier_share(self.r, float(self.tau), self.w)
+        return mean_loss, share, residual_scale(self.r, self.w)
+
     def objective(self, beta: np.ndarray) -> float:
         """F(β) at the evaluated iterate (without the L1 norm)."""
         delta = beta - self.beta0
@@ -320,6 +327,7 @@ class NumpyEngine:
         score_variance = None
         if state.score_variance is not None:
             score_variance = state.score_variance + batch.score_gram()
+        mean_loss, share, scale = batch.robust_diagnostics(batch_weight)
         self._state = HuberState(
             coefficients=beta,
             information=information,
@@ -337,6 +345,9 @@ class NumpyEngine:
             objective=float(objective),
             lambda_value=float(schedule.lambda_value),
             bandwidth=float(schedule.bandwidth),
+            mean_loss=mean_loss,
+            outlier_share=share,
+            residual_scale=scale,
         )
 
     # -- helpers -----------------------------------------------------------------

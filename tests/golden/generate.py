@@ -48,6 +48,7 @@ from typing import Any
 import numpy as np
 
 from rh_dask import HuberConfig, NumpyEngine
+from rh_dask.state import OPTIONAL_DIAGNOSTICS
 
 SCHEMA_VERSION = 1
 HERE = Path(__file__).resolve().parent
@@ -187,7 +188,10 @@ def build_case(spec: CaseSpec) -> dict[str, Any]:
                     "information": state.information.astype(np.float64).tolist(),
                     **state.counters(),
                 },
-                "diagnostics": diagnostics.to_dict(),
+                # The contract's fields; the optional diagnostics are not part of it.
+                "diagnostics": {
+                    k: v for k, v in diagnostics.to_dict().items() if k not in OPTIONAL_DIAGNOSTICS
+                },
             }
         )
     return {
