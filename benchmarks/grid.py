@@ -1,0 +1,192 @@
+"""One configuration against a grid of τ values over the same stream, in one process.
+
+The stream (``--rows`` × ``--features``, ``--dtype``, chunks of
+``--chunk-rows``) is generated into host memory first (seeded chunks of
+:class:`rh_dask.datasets.StreamSpec`). Then, engine warmed up by one untimed
+pass and reset between passes:
+
+* ``single_partial_fit``: one engine at ``--single-tau``, one ``partial_fit``
+  per chunk;
+* ``single_stream``: the same engine fed through ``partial_fit_stream`` where
+  the engine has it (the GPU engine overlaps each chunk's copy with the
+  previous solve), else the same loop;
+* ``grid``: :class:`rh_dask.engines.grid.GridEngine` over ``--taus`` (8
+  values by default), each chunk scored at every configuration then fitted
+  by every configuration; for the GPU engine each host chunk is copied to
+  the device once and shared.
+
+Reported: every wall time, medians, the ratio grid / single (issue 15's
+target: at most 2 on the 20M × 90 float32 stream with the GPU engine), rows
+per second, and whether every configuration's coefficients are bit-identical
+to its own single fit on the same chunks (``--no-check`` skips those
+untimed fits).
+
+    # device (H200)
+    python benchmarks/grid.py --engine gpu --rows 20000000 \\
+        --output benchmarks/results/grid-h200.json
+    # CPU, small
+    python benchmarks/grid.py --rows 200000 --engine numpy
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import numpy as np
+from common import environment, fit_chunks, summarize, write_json
+
+from rh_dask import HuberConfig, make_engine
+from rh_dask.datasets import StreamSpec
+from rh_dask.engines.grid import GridEngine
+
+SCHEMA = "rh-dask/bench/grid/1"
+DEFAULT_TAUS = "0.5,0.75,1.0,1.345,2.0,3.0,5.0,10.0"
+
+
+def make_chunks(rows: int, features: int, chunk_rows: int, dtype: str) -> list[tuple[Any, Any]]:
+    """The stream's chunks in host memory, generated on all cores."""
+    spec = StreamSpec(n_features=features, seed=15)
+    starts = list(range(0, rows, chunk_rows))
+    sizes = [min(chunk_rows, rows - s) for s in starts]
+    with ThreadPoolExecutor(os.cpu_count() or 1) as pool:
+        return list(pool.map(lambda a: spec.chunk(a[0], a[1], dtype), enumerate(sizes)))
+
+
+def sync(engine: Any) -> np.ndarray:
+    """β on the host: waits for the device, so a timer stopped after it is honest."""
+    return engine.coefficients()
+
+
+def time_single(engine: Any, chunks: list, repeats: int, stream: bool) -> list[float]:
+    samples = []
+    for _ in range(repeats + 1):  # the first pass warms workspaces, graphs, pinned buffers
+        engine.reset()
+        start = time.perf_counter()
+        if stream:
+            fit_chunks(engine, chunks)
+        else:
+            for X, y in chunks:
+                engine.partial_fit(X, y)
+        sync(engine)
+        samples.append(time.perf_counter() - start)
+    return samples[1:]
+
+
+def time_grid(grid: GridEngine, chunks: list, repeats: int) -> list[float]:
+    samples = []
+    for _ in range(repeats + 1):
+        grid.reset()
+        start = time.perf_counter()
+        for i, (X, y) in enumerate(chunks):
+            grid.partial_fit(X, y, chunk=i)
+        grid.coefficients()
+        samples.append(time.perf_counter() - start)
+    return samples[1:]
+
+
+def check_identity(grid: GridEngine, engine_name: str, device: Any, chunks: list) -> list[bool]:
+    """Whether each configuration's state is bit-identical to its own single fit."""
+    out = []
+    for config, state in zip(grid.configs, grid.export_states(), strict=True):
+        single = make_engine(engine_name, config, device)
+        for X, y in chunks:
+            single.partial_fit(X, y)
+        out.append(bool(single.export_state().equals(state)))
+        close = getattr(single, "close", None)
+        if close is not None:
+            close()
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--engine", default="numpy", choices=["numpy", "gpu"])
+    parser.add_argument("--device", default=None)
+    parser.add_argument("--rows", type=int, default=20_000_000)
+    parser.add_argument("--features", type=int, default=90)
+    parser.add_argument("--chunk-rows", type=int, default=65_536)
+    parser.add_argument("--dtype", default="float32", choices=["float32", "float64"])
+    parser.add_argument("--taus", default=DEFAULT_TAUS, help="comma-separated τ values")
+    parser.add_argument("--single-tau", type=float, default=1.345)
+    parser.add_argument("--reference-tau", type=float, default=1.345)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--no-check", action="store_true", help="skip the bit-identity fits")
+    parser.add_argument("--output", default="benchmarks/results/grid.json")
+    args = parser.parse_args(argv)
+
+    taus = [float(t) for t in args.taus.split(",")]
+    t0 = time.perf_counter()
+    chunks = make_chunks(args.rows, args.features, args.chunk_rows, args.dtype)
+    generate_seconds = time.perf_counter() - t0
+    base = {"dtype": args.dtype}
+    engine = make_engine(args.engine, HuberConfig(tau=args.single_tau, **base), args.device)
+    single_pf = time_single(engine, chunks, args.repeats, stream=False)
+    single_stream = time_single(engine, chunks, args.repeats, stream=True)
+    stream_path = "partial_fit_stream" if hasattr(engine, "partial_fit_stream") else "partial_fit"
+    close = getattr(engine, "close", None)
+    if close is not None:
+        close()
+    configs = [HuberConfig(tau=t, **base) for t in taus]
+    grid = GridEngine(configs, args.engine, args.device, reference_tau=args.reference_tau)
+    grid_samples = time_grid(grid, chunks, args.repeats)
+    identical = None if args.no_check else check_identity(grid, args.engine, args.device, chunks)
+    scored = [r for r in grid.records if r.scored]
+    huber = None
+    if scored:
+        weights = np.array([r.weight for r in scored])
+        losses = weights @ np.stack([r.huber_loss for r in scored]) / weights.sum()
+        huber = dict(zip(map(str, taus), losses.tolist(), strict=True))
+    grid.close()
+
+    med_grid = float(np.median(grid_samples))
+    med_pf = float(np.median(single_pf))
+    med_stream = float(np.median(single_stream))
+    result = {
+        "schema": SCHEMA,
+        "environment": environment(),
+        "parameters": {
+            **vars(args),
+            "taus": taus,
+            "n_chunks": len(chunks),
+            "single_stream_path": stream_path,
+        },
+        "generate_seconds": generate_seconds,
+        "seconds": {
+            "single_partial_fit": summarize(single_pf),
+            "single_stream": summarize(single_stream),
+            "grid": summarize(grid_samples),
+        },
+        "raw_seconds": {
+            "single_partial_fit": single_pf,
+            "single_stream": single_stream,
+            "grid": grid_samples,
+        },
+        "ratio_grid_to_single": {
+            "partial_fit": med_grid / med_pf,
+            "stream": med_grid / med_stream,
+        },
+        "rows_per_second": {
+            "single_partial_fit": args.rows / med_pf,
+            "single_stream": args.rows / med_stream,
+            "grid": args.rows / med_grid,
+            "grid_configuration_rows": len(taus) * args.rows / med_grid,
+        },
+        "prequential_huber_loss": huber,
+        "coefficients_identical_to_single_fits": identical,
+    }
+    path = write_json(args.output, result)
+    print(
+        f"{args.engine}: {args.rows} x {args.features} {args.dtype}, {len(chunks)} chunks; "
+        f"single {med_pf:.3f} s (partial_fit) / {med_stream:.3f} s ({stream_path}), "
+        f"grid of {len(taus)} {med_grid:.3f} s: ratio {med_grid / med_pf:.2f} / "
+        f"{med_grid / med_stream:.2f}; identical: {identical}; wrote {path}"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
