@@ -185,7 +185,7 @@ def test_demo_runs_small_on_a_local_cluster(tmp_path):
     assert report["coefficient_trajectory"]["after_chunk"] == [1, 2, 3, 4]
     assert report["demo"]["huber_error"] < report["demo"]["least_squares_error"]
     assert report["hardware"]["cluster"]["kind"] == "local"
-    for name in ("coefficients.png", "convergence.png", "throughput.png"):
+    for name in ("coefficients.png", "convergence.png", "diagnostics.png", "throughput.png"):
         assert (out / "report" / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     # The generated data lived in a temporary directory, removed afterwards.
     assert not Path(report["data"]["path"]).exists()
@@ -228,7 +228,7 @@ def test_fit_on_a_local_cluster_with_weights_and_report(data, tmp_path):
     assert result.returncode == 0, result.stderr
     assert_same_stream(model, data["X"], data["y"], [400, 400, 400], w=data["w"])
     report = json.loads((report_dir / "report.json").read_text())
-    assert report["schema"] == "rh-dask-report" and report["schema_version"] == 2
+    assert report["schema"] == "rh-dask-report" and report["schema_version"] == 3
     assert report["data"]["features"] == FEATURES and report["data"]["weight"] == "w"
     assert [h["chunk"] for h in report["history"]] == [0, 1, 2]
     trajectory = report["coefficient_trajectory"]

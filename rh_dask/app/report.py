@@ -2,15 +2,22 @@
 
 A report directory holds
 
-* ``report.json``: schema ``rh-dask-report`` version 2 with the command,
-  the configuration, the data, the result (coefficients by name), timings,
-  the per-chunk history, the coefficient trajectory (β after every batch),
-  the engine and where it ran, and the hardware of the client and of every
-  worker;
-* ``coefficients.png``: coefficient trajectories over the stream;
-* ``convergence.png``: iterations and objective per chunk;
-* ``throughput.png``: rows consumed against engine time and against the
-  fit's wall-clock time, and the engine's own rows per second per chunk.
+* ``report.json``: schema ``rh-dask-report`` version 3 with the command,
+  the configuration, the data, the result (coefficients by name), the
+  inference (the coefficient table with sandwich standard errors, or why
+  there is none), the robust diagnostics per chunk, timings, the per-chunk
+  history, the coefficient trajectory (β after every batch), the engine and
+  where it ran, the hardware of the client and of every worker, and for a
+  grid the prequential scores of every configuration;
+* ``coefficients.png``: coefficient trajectories over the stream, with the
+  final confidence intervals as bands;
+* ``convergence.png``: iterations and the mean Huber loss per chunk;
+* ``diagnostics.png``: share of rows with |r| > τ and the robust residual
+  scale per chunk;
+* ``throughput.png``: rows consumed against the engine's measured time, and
+  the engine's own rows per second per chunk;
+* ``prequential.png``, for a grid only: the prequential scores per
+  configuration.
 
 The plots need matplotlib (the ``report`` extra); without it
 :func:`write_report` raises :class:`~rh_dask.app.extras.MissingExtraError`
@@ -31,10 +38,13 @@ from typing import Any
 import numpy as np
 
 from .._version import __version__
+from ..exceptions import InferenceError
+from ..inference import summarize
 from .extras import require
 from .jobs import FitOutcome
 
 __all__ = [
+    "GRID_FILE",
     "REPORT_FILES",
     "SCHEMA",
     "SCHEMA_VERSION",
@@ -44,9 +54,19 @@ __all__ = [
 ]
 
 SCHEMA = "rh-dask-report"
-SCHEMA_VERSION = 2
-#: The files :func:`write_report` writes, ``report.json`` first.
-REPORT_FILES = ("report.json", "coefficients.png", "convergence.png", "throughput.png")
+SCHEMA_VERSION = 3
+#: The files :func:`write_report` always writes, ``report.json`` first.
+REPORT_FILES = (
+    "report.json",
+    "coefficients.png",
+    "convergence.png",
+    "diagnostics.png",
+    "throughput.png",
+)
+#: The plot :func:`write_report` adds for a report with grid scores.
+GRID_FILE = "prequential.png"
+#: The columns of the grid scores a report keeps, when the frame has them.
+_GRID_COLUMNS = ("config", "tau", "lambda_scale", "batch", "chunk", "rows", "huber_loss", "mae")
 _PACKAGES = ("numpy", "pandas", "dask", "distributed", "scipy", "cupy", "dask_cuda")
 
 
@@ -118,6 +138,62 @@ def _coefficients_by_name(model: Any, names: list[str]) -> dict[str, float]:
     return out
 
 
+def _inference(model: Any, feature_names: list[str], engine: str) -> dict[str, Any]:
+    """The coefficient table with sandwich standard errors, or why there is none."""
+    try:
+        summary = summarize(
+            model.state_,
+            tau=model.tau,
+            penalty=model.penalty,
+            dtype=model.dtype,
+            feature_names=feature_names,
+            engine=engine,
+        )
+    except InferenceError as exc:
+        return {"available": False, "reason": str(exc)}
+    return {"available": True, **summary.to_dict()}
+
+
+def _robust_diagnostics(history: Any, engine: str) -> dict[str, Any]:
+    """How many chunks report the robust diagnostics, and their range over the stream."""
+    n = len(history)
+    share = history["outlier_share"].dropna() if n else history
+    scale = history["residual_scale"].dropna() if n else history
+    reported = int(min(len(share), len(scale))) if n else 0
+    out: dict[str, Any] = {
+        "available": reported > 0,
+        "chunks_reported": reported,
+        "residual_scale_estimator": "1.4826 x weighted MAD of each chunk's residuals",
+    }
+    if reported == 0:
+        out["reason"] = (
+            "no chunk was consumed" if n == 0 else f"not reported by the {engine} engine"
+        )
+        return out
+    if reported < n:
+        out["reason"] = (
+            f"reported for {reported} of {n} chunks (the others came from an engine or a "
+            "checkpoint that does not record them)"
+        )
+    out.update(
+        outlier_share_mean=float(share.mean()),
+        outlier_share_max=float(share.max()),
+        residual_scale_median=float(scale.median()),
+        residual_scale_min=float(scale.min()),
+        residual_scale_max=float(scale.max()),
+    )
+    return out
+
+
+def _grid(scores: Any) -> dict[str, Any]:
+    """The grid section: the prequential scores, one record per (batch, configuration)."""
+    missing = [c for c in ("batch", "config", "huber_loss", "mae") if c not in scores.columns]
+    if missing:
+        raise ValueError(f"grid scores lack the columns {missing}")
+    kept = [c for c in _GRID_COLUMNS if c in scores.columns]
+    return {"scores": scores[kept].to_dict(orient="records")}
+
+
 def _recoveries(model: Any) -> list[dict[str, Any]]:
     """``recoveries_`` as records, times as ISO 8601 UTC text."""
     records = model.recoveries_.to_dict(orient="records")
@@ -136,6 +212,7 @@ def build_report(
     timings: dict[str, float] | None = None,
     model_path: str | None = None,
     extra: dict[str, Any] | None = None,
+    grid_scores: Any | None = None,
 ) -> dict[str, Any]:
     """Everything ``report.json`` holds, as JSON-ready values.
 
@@ -157,6 +234,17 @@ def build_report(
         Where the model was saved.
     extra : dict, optional
         Further sections (the demo adds its comparison with least squares).
+    grid_scores : pandas.DataFrame, optional
+        Prequential scores of a grid of configurations, one row per (batch,
+        configuration), with at least the columns ``batch``, ``config`` (a
+        label), ``huber_loss`` and ``mae`` (``tau``, ``lambda_scale``,
+        ``chunk`` and ``rows`` are kept too when present). Adds the ``grid``
+        section and, in :func:`write_report`, ``prequential.png``.
+
+    Raises
+    ------
+    ValueError
+        ``grid_scores`` lacks one of the required columns.
     """
     model = outcome.model
     history = outcome.history
@@ -181,6 +269,8 @@ def build_report(
             "n_empty_chunks": int(model.n_empty_chunks_),
             "chunks_not_converged": int((~history["converged"]).sum()) if len(history) else 0,
         },
+        "inference": _inference(model, feature_names, outcome.engine),
+        "robust_diagnostics": _robust_diagnostics(history, outcome.engine),
         "timings": {
             **(timings or {}),
             "fit_seconds": fit_seconds,
@@ -207,6 +297,8 @@ def build_report(
         "hardware": hardware(session),
         "versions": _versions(),
     }
+    if grid_scores is not None:
+        report["grid"] = _grid(grid_scores)
     if extra:
         report.update(extra)
     return _jsonable(report)
@@ -238,17 +330,36 @@ def write_report(
 
     out = Path(directory)
     out.mkdir(parents=True, exist_ok=True)
-    json_name, coefficients_name, convergence_name, throughput_name = REPORT_FILES
+    json_name, coefficients_name, convergence_name, diagnostics_name, throughput_name = (
+        REPORT_FILES
+    )
+    engine = report["engine"]["name"]
     figures = [
-        plots.coefficients(report["coefficient_trajectory"], out / coefficients_name, truth),
-        plots.convergence(report["history"], out / convergence_name),
-        plots.throughput(
+        plots.coefficients(
             report["coefficient_trajectory"],
+            out / coefficients_name,
+            truth,
+            inference=report.get("inference"),
+        ),
+        plots.convergence(report["history"], out / convergence_name, engine=engine),
+        plots.diagnostics(
+            report["history"],
+            out / diagnostics_name,
+            tau=report["parameters"].get("tau"),
+            engine=engine,
+        ),
+        plots.throughput(
             report["history"],
             out / throughput_name,
             fit_seconds=report["timings"]["fit_seconds"],
         ),
     ]
+    if report.get("grid") is not None:
+        import pandas as pd
+
+        scores = pd.DataFrame(report["grid"]["scores"])
+        scores[["huber_loss", "mae"]] = scores[["huber_loss", "mae"]].astype(float)
+        figures.append(plots.prequential(scores, out / GRID_FILE))
     report = dict(report, plots=[p.name for p in figures])
     path = out / json_name
     tmp = path.with_name(path.name + ".tmp")
