@@ -345,10 +345,10 @@ class RenewableHuberRegressor(RegressorMixin, BaseEstimator):
             y,
             sample_weight,
             dtype=config.dtype,
-            accept_device=name == "gpu",
+            accept_device=name == "gpu" or self._auto_on_device(X),
             owner=type(self).__name__,
         )
-        self._consume(self._new_stream(config, name), batch)
+        self._consume(self._first_stream(config, name, batch), batch)
         return self
 
     def partial_fit(
@@ -365,6 +365,10 @@ class RenewableHuberRegressor(RegressorMixin, BaseEstimator):
         config = self._make_config()
         stream = self._continued_stream(config)
         name = resolve_engine_name(self.engine, self.device)
+        if stream is None:
+            accept_device = name == "gpu" or self._auto_on_device(X)
+        else:
+            accept_device = stream.engine_name == "gpu"
         batch = validate_batch(
             X,
             y,
@@ -373,11 +377,39 @@ class RenewableHuberRegressor(RegressorMixin, BaseEstimator):
             n_features=None if stream is None else stream.n_features,
             feature_names=None if stream is None else stream.feature_names,
             fitted=stream is not None,
-            accept_device=name == "gpu",
+            accept_device=accept_device,
             owner=type(self).__name__,
         )
-        self._consume(self._new_stream(config, name) if stream is None else stream, batch)
+        self._consume(self._first_stream(config, name, batch) if stream is None else stream, batch)
         return self
+
+    def _auto_on_device(self, X: Any) -> bool:
+        """Whether ``engine="auto"`` meets a first batch already on a CUDA device."""
+        return self.engine == "auto" and self.device is None and is_device_array(X)
+
+    def _first_stream(self, config: HuberConfig, name: str, batch: Batch) -> Stream:
+        """A new stream for ``batch``; with ``engine="auto"`` its engine is chosen for it.
+
+        The choice (:func:`rh_dask.engines.auto.choose_engine`: a rule, or a
+        calibration on the batch's shape cached per process) is kept as the
+        stream's ``auto_choice``, read back as ``engine_choice_``.
+        """
+        choice = None
+        if self.engine == "auto":
+            from .engines.auto import choose_engine
+
+            rows, features = (int(n) for n in batch.X.shape)
+            choice = choose_engine(
+                config,
+                rows,
+                features,
+                device=self.device,
+                device_input=is_device_array(batch.X),
+            )
+            name = choice.engine
+        stream = self._new_stream(config, name)
+        stream.auto_choice = choice
+        return stream
 
     def _consume(self, stream: Stream, batch: Batch) -> None:
         """One validated batch into ``stream``, which becomes the model's once it has it."""
@@ -549,6 +581,18 @@ class RenewableHuberRegressor(RegressorMixin, BaseEstimator):
     def engine_(self) -> str:
         """The engine actually in use (``"numpy"`` or ``"gpu"``)."""
         return self._require_fitted().engine_name
+
+    @property
+    def engine_choice_(self) -> Any:
+        """What ``engine="auto"`` chose for the stream and why.
+
+        An :class:`~rh_dask.engines.auto.AutoChoice` (``engine``, ``reason``,
+        the calibration's ``predicted_ratio``, ``ratios`` and
+        ``calibration_seconds``, ``cached``, and ``fallback`` when the chosen
+        GPU engine failed to start and the stream runs on NumPy); ``None`` for
+        an explicitly named engine and for a stream restored from a checkpoint.
+        """
+        return self._require_fitted().auto_choice
 
     @property
     def diagnostics_(self) -> BatchDiagnostics:

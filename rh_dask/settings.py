@@ -160,6 +160,18 @@ def _size_or_auto(key: str, value: Any) -> int:
     return size
 
 
+def _fraction(key: str, value: Any) -> float:
+    """A number within [0, 1); text as YAML or an environment variable leaves it."""
+    if isinstance(value, str):
+        try:
+            value = float(value.strip())
+        except ValueError:
+            pass
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (0.0 <= value < 1.0):
+        raise _refuse(key, "a number within [0, 1)", value)
+    return float(value)
+
+
 def in_process_max_rows() -> int:
     """The ``rh-dask.cli.in-process-max-rows`` setting, checked.
 
@@ -236,6 +248,22 @@ class Settings:
         ``rh-dask.relay.heap-for-chunks``: a relay worker's process serves
         chunk-sized allocations from malloc's heap while it relays a stream
         (restored when the last stream it relays ends).
+    auto_calibrate : bool
+        ``rh-dask.engine.auto.calibrate``: ``engine="auto"`` times NumPy
+        against the GPU on the first batch's shape (off: NumPy unless a CUDA
+        device is named or the batch is on one).
+    auto_probe_rows : int
+        ``rh-dask.engine.auto.probe-rows``: rows each engine may consume in
+        one calibration, warm-ups included (the probe sizes shrink to fit).
+    auto_rounds : int
+        ``rh-dask.engine.auto.rounds``: rounds per probe size, each two timed
+        pairs (NumPy then GPU, GPU then NumPy).
+    auto_allowance : float
+        ``rh-dask.engine.auto.allowance``: the GPU is chosen when its
+        predicted time is at most ``1 - allowance`` times NumPy's.
+    auto_deadline : float
+        ``rh-dask.engine.auto.deadline``: seconds after which a calibration
+        stops and decides from the probe sizes it finished.
     """
 
     in_process_max_rows: int = 10_000_000
@@ -254,6 +282,11 @@ class Settings:
     relay_directory: str = "auto"
     relay_slot_bytes: int = 0
     relay_heap_for_chunks: bool = False
+    auto_calibrate: bool = True
+    auto_probe_rows: int = 262_144
+    auto_rounds: int = 3
+    auto_allowance: float = 0.1
+    auto_deadline: float = 5.0
 
     @classmethod
     def from_config(cls) -> Settings:
@@ -305,6 +338,14 @@ _KEYS: dict[str, tuple[str, Callable[[str, Any], Any]]] = {
     "relay_directory": ("rh-dask.relay.directory", _directory),
     "relay_slot_bytes": ("rh-dask.relay.slot-bytes", _size_or_auto),
     "relay_heap_for_chunks": ("rh-dask.relay.heap-for-chunks", _flag),
+    "auto_calibrate": ("rh-dask.engine.auto.calibrate", _flag),
+    "auto_probe_rows": ("rh-dask.engine.auto.probe-rows", _count),
+    "auto_rounds": ("rh-dask.engine.auto.rounds", _count),
+    "auto_allowance": ("rh-dask.engine.auto.allowance", _fraction),
+    "auto_deadline": (
+        "rh-dask.engine.auto.deadline",
+        lambda key, value: _seconds(key, value, positive=True),
+    ),
 }
 
 

@@ -15,6 +15,7 @@ not at all, and a stream that has consumed nothing replaces nothing.
 from __future__ import annotations
 
 import time
+import warnings
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, replace
@@ -220,6 +221,11 @@ class Stream:
         stream's, after saving the state it holds so that a first batch that
         fails puts it back.
     """
+
+    #: What ``engine="auto"`` chose for this stream (an
+    #: :class:`~rh_dask.engines.auto.AutoChoice`), set by the estimator before the
+    #: first batch; ``None`` for an explicitly named engine.
+    auto_choice: Any = None
 
     def __init__(
         self, config: HuberConfig, engine_name: str, *, spare: Engine | None = None
@@ -478,7 +484,7 @@ class Stream:
             return engine, _nothing
         engine = self._engine
         if engine is None or engine.config != self._config or engine.name != self._engine_name:
-            return make_engine(self._engine_name, self._config, device), _nothing
+            return self._first_engine(device), _nothing
         held = engine.export_state() if engine.n_features_in is not None else None
         engine.reset()
 
@@ -489,6 +495,33 @@ class Stream:
                 engine.import_state(held)
 
         return engine, undo
+
+    def _first_engine(self, device: Any) -> Engine:
+        """A new engine for the first batch; a measured auto choice falls back to NumPy.
+
+        Only a GPU engine chosen by ``engine="auto"``'s calibration falls back
+        when it fails to start: the stream runs on the NumPy engine, says so
+        in a :class:`RuntimeWarning` and in ``auto_choice.fallback``. An
+        engine named by the user, or chosen by a rule (a CUDA device named,
+        a batch on the device), raises.
+        """
+        try:
+            return make_engine(self._engine_name, self._config, device)
+        except Exception as exc:
+            choice = self.auto_choice
+            if choice is None or self._engine_name != "gpu" or not choice.measured:
+                raise
+            why = f"{type(exc).__name__}: {exc}"
+        warnings.warn(
+            f'engine="auto" chose the GPU engine ({choice.reason}), but it failed to start '
+            f"({why}); this stream runs on the NumPy engine",
+            RuntimeWarning,
+            stacklevel=4,
+        )
+        engine = make_engine("numpy", self._config, None)
+        self._engine_name = "numpy"
+        self.auto_choice = replace(choice, engine="numpy", fallback=why)
+        return engine
 
     def __getstate__(self) -> dict[str, Any]:
         # Pickle the portable state, never a (possibly device-resident) engine.
