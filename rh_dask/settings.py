@@ -283,10 +283,10 @@ class Settings:
     relay_slot_bytes: int = 0
     relay_heap_for_chunks: bool = False
     auto_calibrate: bool = True
-    auto_probe_rows: int = 262_144
+    auto_probe_rows: int = 131_072
     auto_rounds: int = 3
     auto_allowance: float = 0.1
-    auto_deadline: float = 5.0
+    auto_deadline: float = 2.0
 
     @classmethod
     def from_config(cls) -> Settings:

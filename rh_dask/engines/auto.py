@@ -16,14 +16,16 @@ runs one untimed warm-up batch per engine, then ``rounds`` rounds of two
 timed pairs, NumPy then GPU and GPU then NumPy, so that a drift of the
 machine's speed or a cache warmed by the first of a pair favours neither:
 a round's estimate is the mean of its two log ratios log(t_gpu / t_numpy),
-a size's the median over its rounds. These are fitted by a line in log n,
-which predicts the ratio at the batch's n, never extrapolating an advantage
-of the GPU beyond the largest probe (its slope is taken as zero there when
-it favours the GPU). The GPU engine is chosen when the
+a size's the largest over its rounds (the GPU must win every round: noise,
+a stall of either engine, can only push the decision towards NumPy). These
+are fitted by a line in log n, which predicts the ratio at the batch's n,
+never extrapolating an advantage of the GPU beyond the largest probe (its
+slope is taken as zero there when it favours the GPU). The GPU engine is chosen when the
 predicted ratio is at most ``1 - allowance``: a conservative margin, since
 a wrong GPU choice also pays the GPU's start-up. A calibration that passes
-its ``deadline`` stops and decides from the sizes it finished (NumPy with
-fewer than two).
+its ``deadline`` (checked after each size, so the rows budget is the hard
+bound) stops and decides from the sizes it finished (NumPy with fewer than
+two).
 
 Decisions are cached per shape class (d, dtype, penalty, fit_intercept and
 n to the nearest power of two) for the runtime signature that measured them
@@ -517,7 +519,7 @@ class AutoCalibrator:
                             math.log(max(seconds["gpu"], 1e-12) / max(seconds["numpy"], 1e-12))
                         )
                     rounds.append(statistics.fmean(logs))
-                ratios.append((rows, math.exp(statistics.median(rounds))))
+                ratios.append((rows, math.exp(max(rounds))))
                 if self._clock() > deadline:
                     ran_out = rows != plan.rows[-1]
                     break
