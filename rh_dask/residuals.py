@@ -44,9 +44,13 @@ def weighted_median(values: np.ndarray, weights: np.ndarray | None = None) -> fl
         return float(np.median(values))
     keep = weights > 0
     v, w = values[keep], weights[keep]
-    order = np.argsort(v, kind="stable")
-    v = v[order]
-    cumulative = np.cumsum(w[order], dtype=np.float64)
+    order = np.argsort(v)
+    return _sorted_weighted_median(v[order], w[order])
+
+
+def _sorted_weighted_median(v: np.ndarray, w: np.ndarray) -> float:
+    """:func:`weighted_median` of ascending ``v`` with positive weights ``w``."""
+    cumulative = np.cumsum(w, dtype=np.float64)
     half = 0.5 * cumulative[-1]
     i = int(np.searchsorted(cumulative, half, side="left"))
     if cumulative[i] == half and i + 1 < v.size:
@@ -90,6 +94,18 @@ def residual_scale(residuals: np.ndarray, weights: np.ndarray | None = None) -> 
     float
         Non-negative; 0 when more than half of the weight sits on one value.
     """
-    centre = weighted_median(residuals, weights)
-    deviation = np.abs(residuals - residuals.dtype.type(centre))
-    return MAD_CONSISTENCY * weighted_median(deviation, weights)
+    if weights is None:
+        centre = np.median(residuals)
+        return MAD_CONSISTENCY * float(np.median(np.abs(residuals - centre)))
+    keep = weights > 0
+    v, w = residuals[keep], weights[keep]
+    order = np.argsort(v)
+    v, w = v[order], w[order]
+    centre = v.dtype.type(_sorted_weighted_median(v, w))
+    # The deviations of sorted values are two sorted runs (below the centre,
+    # reversed, and above it): a stable sort (timsort) merges them in O(n).
+    split = int(np.searchsorted(v, centre, side="left"))
+    deviation = np.concatenate([centre - v[:split][::-1], v[split:] - centre])
+    dev_weights = np.concatenate([w[:split][::-1], w[split:]])
+    order = np.argsort(deviation, kind="stable")
+    return MAD_CONSISTENCY * _sorted_weighted_median(deviation[order], dev_weights[order])

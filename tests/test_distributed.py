@@ -107,6 +107,7 @@ def _same(a, b, assert_unchanged, snapshot):
     """Same state, same per-batch history, and the same β after every batch, bit for bit."""
     assert_unchanged(snapshot(a), snapshot(b))
     cols = ["batch", "rows", "iterations", "converged", "objective"]
+    cols += ["mean_loss", "outlier_share", "residual_scale"]
     pd.testing.assert_frame_equal(a.history_[cols], b.history_[cols])
     betas = a.coef_history_
     assert betas.dtype == np.float64 and len(betas) == len(a.history_)

@@ -27,6 +27,10 @@ def test_weighted_median_is_the_median_of_the_repeated_rows():
         assert weighted_median(values, counts.astype(float)) == np.median(repeated)
         assert weighted_median(values) == np.median(values)
         assert weighted_median(values, np.ones(n)) == np.median(values)
+        mad = np.median(np.abs(repeated - np.median(repeated)))
+        assert residual_scale(values, counts.astype(float)) == pytest.approx(
+            MAD_CONSISTENCY * mad, rel=1e-15, abs=1e-300
+        )
 
 
 def test_a_hand_computed_batch():
