@@ -28,6 +28,21 @@ from .state import Counters
 from .transfer import StagedBatch
 
 
+def add_score_gram(ws: Any, n: int, p: int, tau: float) -> None:
+    """K += Zᵀ diag(w ⊙ ψ(r)²) Z at the committed β, on the current stream.
+
+    r = y − Zβ is recomputed from the workspace (the solvers keep residuals
+    only for their own steps), ψ(r) = clip(r, −τ, τ), and the Gram is one
+    GEMM of (√w ⊙ |ψ|) ⊙ Z with itself, like the NumPy engine's SYRK.
+    """
+    Z = ws.Z[: n * ws.ldz].reshape(n, ws.ldz)[:, :p]
+    r = ws.y[:n] - Z @ ws.beta
+    s = abs(r.clip(-tau, tau))
+    s *= ws.w[:n] ** 0.5
+    scaled = Z * s[:, None]
+    ws.K += scaled.T @ scaled
+
+
 class BatchRunner:
     """Runs batches on the engine's stream with the Newton or the LAMM driver.
 
@@ -50,13 +65,20 @@ class BatchRunner:
         self._lamm = lamm
 
     def run(
-        self, X: Any, y: Any, w: Any | None, staged: StagedBatch | None, counters: Counters | None
+        self,
+        X: Any,
+        y: Any,
+        w: Any | None,
+        staged: StagedBatch | None,
+        counters: Counters | None,
+        accumulate_k: bool,
     ) -> tuple[BatchDiagnostics, Counters]:
         """Fit one batch of device arrays; the diagnostics and the counters after it.
 
         ``counters`` are those before the batch (``None``: an empty stream,
-        whose β and J are zeroed first). Nothing is committed when this
-        raises.
+        whose β, J and K are zeroed first). ``accumulate_k``: add the batch's
+        score Gram to K once the batch is committed. Nothing is committed
+        when this raises.
 
         Raises
         ------
@@ -78,6 +100,7 @@ class BatchRunner:
             if counters is None and not fresh:
                 ws.beta.fill(0)
                 ws.J.fill(0)
+                ws.K.fill(0)
             ws.ensure_rows(n)
             self._parts.dense.prepare(p, ws.H)
             schedule = None if w is not None else batch_schedule(cfg, before, float(n))
@@ -131,6 +154,9 @@ class BatchRunner:
         raise_if_invalid(ws.status_i)
         if not ws.status_i[layout.I_COMMITTED]:  # pragma: no cover - a kernel bug
             raise RuntimeError("the GPU engine stopped without committing the batch")
+        if accumulate_k:
+            with stream:
+                add_score_gram(ws, n, p, cfg.tau)
         diagnostics = BatchDiagnostics(
             iterations=int(ws.status_i[layout.I_ITER]),
             converged=bool(ws.status_i[layout.I_CONV]),

@@ -90,11 +90,16 @@ class GpuEngine:
         fit in shared memory. ``"auto"`` takes the kernel when it fits and
         cuSOLVER otherwise (see docs/gpu-engine.md for the measurements).
         The LU and minimum-norm fallbacks always use cuSOLVER.
+    score_variance : bool, default=True
+        Accumulate the score variance K = Σ Zᵀ diag(w ψ²) Z (the sandwich's
+        meat, :attr:`rh_dask.HuberState.score_variance`) at each committed
+        batch, for standard errors: one more pass over the batch and one
+        p×p GEMM per batch. ``False``: the exported state has K = ``None``.
 
     Raises
     ------
     ValidationError
-        When ``graphs`` or ``hold_gil`` is not a bool, or ``cholesky`` is
+        When ``graphs``, ``hold_gil`` or ``score_variance`` is not a bool, or ``cholesky`` is
         not one of its choices.
     EngineUnavailableError
         When CuPy, a CUDA driver or the requested device is missing.
@@ -118,8 +123,10 @@ class GpuEngine:
         hold_gil: bool = True,
         copy_threads: int = 4,
         cholesky: str = "auto",
+        score_variance: bool = True,
     ) -> None:
         graphs = _check_flag("graphs", graphs)
+        self._score_variance = _check_flag("score_variance", score_variance)
         hold_gil = _check_flag("hold_gil", hold_gil)
         if cholesky not in CHOLESKY_MODES:
             raise ValidationError(
@@ -322,6 +329,9 @@ class GpuEngine:
         return self._inputs.device_views(X, y, sample_weight, self.n_features_in)
 
     def _fit(self, X: Any, y: Any, w: Any | None, staged: Any) -> BatchDiagnostics:
-        diagnostics, counters = self._batches.run(X, y, w, staged, self._state.counters)
-        self._state.advance(counters)
+        accumulate_k = self._state.accumulates_k(self._score_variance)
+        diagnostics, counters = self._batches.run(
+            X, y, w, staged, self._state.counters, accumulate_k
+        )
+        self._state.advance(counters, accumulated_k=accumulate_k)
         return diagnostics

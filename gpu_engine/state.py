@@ -1,6 +1,6 @@
 """The stream's state on the GPU engine, and its import and export as a portable state.
 
-β and J live in the workspace on the device for the whole stream; the
+β, J and K live in the workspace on the device for the whole stream; the
 counters (rows and batches seen, λ of the last batch, Σw) live on the host.
 :class:`DeviceState` holds the counters, answers β from the host-mapped
 mirror the commit kernel writes, and converts to and from
@@ -23,7 +23,7 @@ from .workspace import Workspace
 
 @dataclass
 class Counters:
-    """The host side of the state: everything but β and J."""
+    """The host side of the state: everything but β, J and K."""
 
     n_features_in: int
     fit_intercept: bool
@@ -56,6 +56,9 @@ class DeviceState:
         #: ``None`` before the first batch (and after :meth:`forget`).
         self.counters: Counters | None = None
         self._host_beta: np.ndarray | None = None
+        #: Whether K in ``ws`` holds the stream's score variance (False after
+        #: importing a state without one: K stays absent until a fresh stream).
+        self._k_valid = True
 
     def require(self) -> Counters:
         """The counters, or :class:`NotFittedError` when the stream is empty."""
@@ -67,11 +70,21 @@ class DeviceState:
         """Back to the empty state (the device buffers are zeroed by the next batch)."""
         self.counters = None
         self._host_beta = None
+        self._k_valid = True
 
-    def advance(self, counters: Counters) -> None:
-        """Record a committed batch: its counters; β is re-read from the mirror."""
+    def accumulates_k(self, enabled: bool) -> bool:
+        """Whether the next batch adds to K: ``enabled`` and K is the stream's so far."""
+        return enabled and (self.counters is None or self._k_valid)
+
+    def advance(self, counters: Counters, accumulated_k: bool | None = None) -> None:
+        """Record a committed batch: its counters; β is re-read from the mirror.
+
+        ``accumulated_k``: whether the batch added to K (``None``: unchanged).
+        """
         self.counters = counters
         self._host_beta = None
+        if accumulated_k is not None:
+            self._k_valid = accumulated_k
 
     def beta_on_host(self, closed: bool) -> np.ndarray:
         """β as the host sees it (read-only for callers: :meth:`coefficients` copies it)."""
@@ -93,6 +106,7 @@ class DeviceState:
             self._stream.synchronize()
             beta = cp.asnumpy(ws.beta, stream=self._stream)
             info = cp.asnumpy(ws.J, stream=self._stream)
+            meat = cp.asnumpy(ws.K, stream=self._stream) if self._k_valid else None
             self._stream.synchronize()
         return HuberState(
             coefficients=beta,
@@ -103,6 +117,7 @@ class DeviceState:
             weight_sum=counters.weight_sum,
             n_features_in=counters.n_features_in,
             fit_intercept=counters.fit_intercept,
+            score_variance=meat,
         )
 
     def load(self, state: HuberState, fit_intercept: bool, dtype: np.dtype) -> None:
@@ -121,6 +136,8 @@ class DeviceState:
             ws.beta.set(np.ascontiguousarray(state.coefficients), stream=stream)
             ws.beta_host[...] = state.coefficients
             ws.J.set(np.ascontiguousarray(state.information), stream=stream)
+            if state.score_variance is not None:
+                ws.K.set(np.ascontiguousarray(state.score_variance), stream=stream)
             stream.synchronize()
         self.advance(
             Counters(
@@ -130,5 +147,6 @@ class DeviceState:
                 batch_count=int(state.batch_count),
                 previous_lambda=float(state.previous_lambda),
                 weight_sum=float(state.weight_sum),
-            )
+            ),
+            accumulated_k=state.score_variance is not None,
         )

@@ -93,6 +93,7 @@ class Workspace:
         self.beta_host = self._beta_mirror.view(dt, p)
         self.beta_host[...] = 0
         self.J = cp.zeros((p, p), dtype=dt)
+        self.K = cp.zeros((p, p), dtype=dt)  # Σ Zᵀ diag(w ψ²) Z, the sandwich's meat
         self.beta_work = cp.zeros(p, dtype=dt)
         self.C = cp.zeros(p * (p + 1), dtype=dt)
         self.H = cp.zeros((p, p), dtype=dt)

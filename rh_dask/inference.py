@@ -82,18 +82,19 @@ def check_penalty(penalty: str) -> None:
 def _missing_meat_message(engine: str | None) -> str:
     if engine == "gpu":
         why = (
-            "it was fitted by the GPU engine, which does not accumulate the score "
-            "variance K (the sandwich's meat)"
+            "it was fitted by the GPU engine with rh-dask.gpu.score-variance off, so it "
+            "carries no score variance K (the sandwich's meat)"
         )
     else:
         why = (
             "its state carries no score variance K (the sandwich's meat): it comes from, "
-            "or continues, a checkpoint older than format version 2 or a state of the GPU "
-            "engine, and K cannot be rebuilt without the rows already consumed"
+            "or continues, a checkpoint older than format version 2 or a GPU engine run "
+            "with rh-dask.gpu.score-variance off, and K cannot be rebuilt without the rows "
+            "already consumed"
         )
     return (
-        f"no covariance for this model: {why}; a fresh fit with the NumPy engine "
-        '(engine="numpy") gives it'
+        f"no covariance for this model: {why}; a fresh fit (either engine, the "
+        "setting on) gives it"
     )
 
 

@@ -838,3 +838,94 @@ def test_host_batches_are_not_kept_alive_by_the_engine():
     del X, y
     assert all(r() is None for r in refs)
     engine.close()
+
+
+# -- the score variance K (the sandwich's meat) ------------------------------------------
+
+
+def _assert_meat_close(actual, expected, dtype, what):
+    """K within the contract's tolerance on the scale of its entries, √(K_aa K_bb).
+
+    K's off-diagonal entries are sums of terms of both signs, so a relative
+    bound on the entry itself is meaningless where they cancel; Cauchy-Schwarz
+    bounds every entry by that scale, on which both engines' rounding acts.
+    """
+    rtol, atol = TOL[np.dtype(dtype).name]
+    actual = np.asarray(actual, dtype=np.float64)
+    expected = np.asarray(expected, dtype=np.float64)
+    scale = np.sqrt(np.outer(np.diag(expected), np.diag(expected)))
+    diff = np.abs(actual - expected)
+    assert np.all(diff <= atol + rtol * scale), (
+        f"{what}: worst |diff|/bound {np.max(diff / (atol + rtol * scale)):.3g}"
+    )
+
+
+@pytest.mark.parametrize("weighted", [False, True])
+@pytest.mark.parametrize("penalty", ["none", "l1"])
+@pytest.mark.parametrize("dtype", ["float64", "float32"])
+def test_score_variance_matches_the_reference_batch_by_batch(dtype, penalty, weighted):
+    batches = _stream(12, [6000, 6000, 2500], dtype, seed=11)
+    rng = np.random.default_rng(3)
+    config = HuberConfig(penalty=penalty, dtype=dtype)
+    ref, gpu = NumpyEngine(config), GpuEngine(config)
+    for i, (X, y) in enumerate(batches):
+        w = rng.uniform(0.2, 2.0, len(y)).astype(dtype) if weighted else None
+        ref.partial_fit(X, y, w)
+        gpu.partial_fit(X, y, w)
+        s_gpu, s_ref = gpu.export_state(), ref.export_state()
+        assert s_gpu.score_variance is not None and s_gpu.score_variance.dtype == np.dtype(dtype)
+        _assert_meat_close(s_gpu.score_variance, s_ref.score_variance, dtype, f"batch {i}")
+    gpu.close()
+
+
+def test_score_variance_off_absent_after_an_old_state_and_carried_through_imports():
+    batches = _stream(5, [3000, 3000, 3000], "float64", seed=5)
+    config = HuberConfig()
+    off = GpuEngine(config, score_variance=False)
+    off.partial_fit(*batches[0])
+    assert off.export_state().score_variance is None
+    with pytest.raises(ValidationError, match="score_variance"):
+        GpuEngine(config, score_variance=1)
+
+    ref = NumpyEngine(config)
+    for X, y in batches:
+        ref.partial_fit(X, y)
+    # K travels through import: NumPy → GPU → continue equals the NumPy stream.
+    cpu = NumpyEngine(config)
+    cpu.partial_fit(*batches[0])
+    gpu = GpuEngine(config)
+    gpu.import_state(cpu.export_state())
+    gpu.partial_fit(*batches[1])
+    gpu.partial_fit(*batches[2])
+    _assert_meat_close(
+        gpu.export_state().score_variance, ref.export_state().score_variance, "float64", "import"
+    )
+    # A state without K continues without it, until reset starts a fresh stream.
+    old = cpu.export_state()
+    old.score_variance = None
+    gpu.import_state(old)
+    gpu.partial_fit(*batches[1])
+    assert gpu.export_state().score_variance is None
+    gpu.reset()
+    gpu.partial_fit(*batches[0])
+    _assert_meat_close(
+        gpu.export_state().score_variance, cpu.export_state().score_variance, "float64", "reset"
+    )
+    # A refused batch leaves K exactly as it was.
+    before = gpu.export_state().score_variance.copy()
+    bad_X, bad_y = batches[1][0].copy(), batches[1][1]
+    bad_X[7, 2] = np.nan
+    with pytest.raises(ValidationError):
+        gpu.partial_fit(bad_X, bad_y)
+    np.testing.assert_array_equal(gpu.export_state().score_variance, before)
+    for engine in (off, gpu):
+        engine.close()
+
+
+def test_gpu_fit_gives_standard_errors_like_the_numpy_engine():
+    X, y = _stream(6, [20000], "float64", seed=9)[0]
+    cpu = RenewableHuberRegressor(engine="numpy").fit(X, y)
+    gpu = RenewableHuberRegressor(engine="gpu").fit(X, y)
+    np.testing.assert_allclose(gpu.bse_, cpu.bse_, rtol=1e-7)
+    table = gpu.summary().table
+    assert list(table.index)[-1] == "intercept" and np.isfinite(table.values).all()

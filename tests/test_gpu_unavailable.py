@@ -99,19 +99,23 @@ def test_partial_fit_stream_prefetches_one_batch_ahead_with_or_without_weights()
             return X, y, w, None
 
     class Batches:
-        def run(self, X, y, w, staged, counters):
+        def run(self, X, y, w, staged, counters, accumulate_k):
             log.append(("fit", X, w))
             return f"diagnostics {X}", SimpleNamespace(n_features_in=3)
 
     class State:
         counters = None
 
-        def advance(self, counters):
+        def accumulates_k(self, enabled):
+            return enabled
+
+        def advance(self, counters, accumulated_k=None):
             self.counters = counters
 
     engine = object.__new__(gpu_engine.GpuEngine)
     engine._cp = SimpleNamespace(cuda=SimpleNamespace(Device=lambda index: nullcontext()))
     engine._device_id = 0
+    engine._score_variance = True
     engine._inputs, engine._batches, engine._state = Inputs(), Batches(), State()
     stream = [("a", "ya"), ("b", "yb", "wb"), ("c", "yc")]
     assert list(engine.partial_fit_stream(stream)) == [

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import re
 
+import dask.config
 import numpy as np
 import pandas as pd
 import pytest
@@ -231,7 +232,7 @@ def test_a_state_without_score_variance_is_refused_naming_why(tmp_path):
     state.score_variance = None
     with pytest.raises(InferenceError, match="format version 2"):
         sandwich(state)
-    with pytest.raises(InferenceError, match=r"GPU engine.*does not accumulate"):
+    with pytest.raises(InferenceError, match=r"GPU engine with rh-dask.gpu.score-variance off"):
         sandwich(state, engine="gpu")
 
 
@@ -243,7 +244,7 @@ def test_a_model_continuing_a_format_1_checkpoint_has_no_covariance(tmp_path):
         pytest.skip("no format-1 golden checkpoint")
     model = RenewableHuberRegressor.load(golden, engine="numpy")
     assert model.state_.score_variance is None
-    with pytest.raises(InferenceError, match=r'format version 2.*engine="numpy"'):
+    with pytest.raises(InferenceError, match=r'format version 2.*a fresh fit'):
         model.summary()
     d = model.n_features_in_
     rng = np.random.default_rng(0)
@@ -440,8 +441,8 @@ def test_95_percent_intervals_cover_94_to_96_percent(batches):
         assert 0.93 <= c / t <= 0.97, (kind, c, t)
 
 
-def test_a_gpu_engine_checkpoint_has_no_covariance_and_says_so(tmp_path, capsys):
-    """The GPU engine exports states with K = None; its checkpoints name it as the reason."""
+def test_a_gpu_engine_checkpoint_without_k_has_no_covariance_and_says_so(tmp_path, capsys):
+    """A GPU engine with the setting off exports K = None; its checkpoints name the reason."""
     from rh_dask.checkpoint import Checkpoint, save_checkpoint
 
     fitted = _fitted()
@@ -458,7 +459,7 @@ def test_a_gpu_engine_checkpoint_has_no_covariance_and_says_so(tmp_path, capsys)
     )
     model = RenewableHuberRegressor.load(path)
     assert model.engine == "gpu"
-    with pytest.raises(InferenceError, match=r"GPU engine.*engine=\"numpy\""):
+    with pytest.raises(InferenceError, match=r"GPU engine.*score-variance off.*fresh fit"):
         model.summary()
     assert main(["info", str(path)]) == 0
     lines = [x for x in capsys.readouterr().out.splitlines() if x.startswith("inference:")]
@@ -466,9 +467,12 @@ def test_a_gpu_engine_checkpoint_has_no_covariance_and_says_so(tmp_path, capsys)
 
 
 @pytest.mark.skipif(not gpu_usable(), reason="no CUDA device visible to CuPy")
-def test_a_gpu_engine_fit_raises_inference_error_naming_the_engine():
+def test_a_gpu_engine_fit_with_the_setting_off_raises_inference_error_naming_it():
     rng = np.random.default_rng(0)
     X = rng.normal(size=(2000, 3))
-    model = RenewableHuberRegressor(engine="gpu").fit(X, X.sum(axis=1) + rng.normal(size=2000))
-    with pytest.raises(InferenceError, match="GPU engine"):
+    y = X.sum(axis=1) + rng.normal(size=2000)
+    assert np.isfinite(RenewableHuberRegressor(engine="gpu").fit(X, y).bse_).all()
+    with dask.config.set({"rh-dask.gpu.score-variance": False}):
+        model = RenewableHuberRegressor(engine="gpu").fit(X, y)
+    with pytest.raises(InferenceError, match="score-variance off"):
         model.cov_
