@@ -62,6 +62,8 @@ from typing import Any
 import dask.config
 import numpy as np
 from common import environment, write_json
+from dask.utils import key_split
+from distributed import get_task_stream
 from distributed_fit import (
     REPEATS,
     NpyRows,
@@ -812,7 +814,7 @@ def run_fit(
     )
     RenewableHuberRegressor(**params).fit(*small)
     model = RenewableHuberRegressor(**params)
-    with memory.window() as mem:
+    with memory.window() as mem, get_task_stream() as stream:
         t0 = time.perf_counter()
         model.fit(*inputs)
         wall = time.perf_counter() - t0
@@ -829,8 +831,46 @@ def run_fit(
         "engine_busy_fraction": engine_seconds / wall,
         "placement": model.placement_,
         "peak_rss": mem,
+        "task_stream": task_breakdown(stream.data, wall),
         "_coef": model.state_.coefficients,
         "_rows": [int(r) for r in history["rows"]],
+    }
+
+
+def task_breakdown(records: list[dict[str, Any]], wall: float) -> dict[str, Any]:
+    """Where the cluster's time went: per task prefix and action, and per worker.
+
+    From the scheduler's task stream (``distributed.get_task_stream``): for each
+    task-name prefix and action (``compute``, ``transfer``, ...) the count and the
+    total and median seconds; for each worker the seconds it spent computing and
+    receiving, and that as a fraction of the fit's wall time.
+    """
+    spans: dict[str, list[float]] = {}
+    workers: dict[str, dict[str, float]] = {}
+    for record in records:
+        prefix = key_split(record.get("key", "?"))
+        busy = workers.setdefault(record.get("worker", "?"), {})
+        for part in record.get("startstops", ()):
+            seconds = float(part["stop"] - part["start"])
+            action = part.get("action", "?")
+            spans.setdefault(f"{prefix}/{action}", []).append(seconds)
+            busy[action] = busy.get(action, 0.0) + seconds
+    return {
+        "by_prefix": {
+            name: {
+                "count": len(values),
+                "total_seconds": float(np.sum(values)),
+                "median_seconds": float(np.median(values)),
+            }
+            for name, values in sorted(spans.items())
+        },
+        "by_worker": {
+            worker: {
+                **{f"{k}_seconds": v for k, v in busy.items()},
+                **{f"{k}_fraction": v / wall for k, v in busy.items()},
+            }
+            for worker, busy in sorted(workers.items())
+        },
     }
 
 

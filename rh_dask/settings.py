@@ -150,6 +150,18 @@ def _directory(key: str, value: Any) -> str:
     return value.strip()
 
 
+#: Values of ``rh-dask.relay.transport``.
+RELAY_TRANSPORTS = ("auto", "tcp", "dask")
+
+
+def _transport(key: str, value: Any) -> str:
+    """One of :data:`RELAY_TRANSPORTS`."""
+    text = value.strip().lower() if isinstance(value, str) else value
+    if text not in RELAY_TRANSPORTS:
+        raise _refuse(key, " or ".join(f'"{t}"' for t in RELAY_TRANSPORTS), value)
+    return text
+
+
 def _size_or_auto(key: str, value: Any) -> int:
     """``"auto"`` (0) or a size >= 1."""
     if isinstance(value, str) and value.strip().lower() == "auto":
@@ -220,6 +232,9 @@ class Settings:
     gpu_hold_gil : bool
         ``rh-dask.gpu.hold-gil``: the GPU engine's thread keeps the
         interpreter lock through its queueing CUDA calls.
+    gpu_score_variance : bool
+        ``rh-dask.gpu.score-variance``: the GPU engine accumulates the score
+        variance K (standard errors, ``cov_``) at every batch.
     checkpoint_every_chunks : int
         ``rh-dask.checkpoint.every-chunks``: during a Dask walk, the stream's
         state is copied off the engine's worker after every this many chunks.
@@ -248,6 +263,13 @@ class Settings:
         ``rh-dask.relay.heap-for-chunks``: a relay worker's process serves
         chunk-sized allocations from malloc's heap while it relays a stream
         (restored when the last stream it relays ends).
+    relay_transport : {"auto", "tcp", "dask"}
+        ``rh-dask.relay.transport``: how loaded chunks reach the relays.
+        ``"tcp"``: the loading worker sends them over a plain TCP connection
+        (authenticated, not encrypted) straight into the ring;
+        ``"dask"``: as task results over Dask's comm; ``"auto"``: ``"tcp"``
+        unless Dask's comm must be encrypted
+        (``distributed.comm.require-encryption``, a ``tls://`` scheduler).
     auto_calibrate : bool
         ``rh-dask.engine.auto.calibrate``: ``engine="auto"`` times NumPy
         against the GPU on the first batch's shape (off: NumPy unless a CUDA
@@ -274,6 +296,7 @@ class Settings:
     heap_for_chunks: bool = False
     gpu_graphs: bool = True
     gpu_hold_gil: bool = True
+    gpu_score_variance: bool = True
     checkpoint_every_chunks: int = 16
     checkpoint_every_seconds: float = 60.0
     max_retries: int = 3
@@ -282,6 +305,7 @@ class Settings:
     relay_directory: str = "auto"
     relay_slot_bytes: int = 0
     relay_heap_for_chunks: bool = False
+    relay_transport: str = "auto"
     auto_calibrate: bool = True
     auto_probe_rows: int = 131_072
     auto_rounds: int = 3
@@ -304,7 +328,11 @@ class Settings:
     def engine_options(self, engine: str) -> dict[str, Any]:
         """Keyword options of ``engine``'s constructor that these settings decide."""
         if engine == "gpu":
-            return {"graphs": self.gpu_graphs, "hold_gil": self.gpu_hold_gil}
+            return {
+                "graphs": self.gpu_graphs,
+                "hold_gil": self.gpu_hold_gil,
+                "score_variance": self.gpu_score_variance,
+            }
         return {}
 
 
@@ -324,6 +352,7 @@ _KEYS: dict[str, tuple[str, Callable[[str, Any], Any]]] = {
     "heap_for_chunks": ("rh-dask.distributed.heap-for-chunks", _flag),
     "gpu_graphs": ("rh-dask.gpu.graphs", _flag),
     "gpu_hold_gil": ("rh-dask.gpu.hold-gil", _flag),
+    "gpu_score_variance": ("rh-dask.gpu.score-variance", _flag),
     "checkpoint_every_chunks": ("rh-dask.checkpoint.every-chunks", _count),
     "checkpoint_every_seconds": (
         "rh-dask.checkpoint.every-seconds",
@@ -338,6 +367,7 @@ _KEYS: dict[str, tuple[str, Callable[[str, Any], Any]]] = {
     "relay_directory": ("rh-dask.relay.directory", _directory),
     "relay_slot_bytes": ("rh-dask.relay.slot-bytes", _size_or_auto),
     "relay_heap_for_chunks": ("rh-dask.relay.heap-for-chunks", _flag),
+    "relay_transport": ("rh-dask.relay.transport", _transport),
     "auto_calibrate": ("rh-dask.engine.auto.calibrate", _flag),
     "auto_probe_rows": ("rh-dask.engine.auto.probe-rows", _count),
     "auto_rounds": ("rh-dask.engine.auto.rounds", _count),

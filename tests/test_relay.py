@@ -184,14 +184,19 @@ def test_relay_and_loading_worker_rules():
 
 
 # -- equality with the plain loop ---------------------------------------------------------
+@pytest.mark.parametrize("transport", ["tcp", "dask"])
 @pytest.mark.parametrize("dtype", ["float64", "float32"])
-def test_relay_fit_equals_partial_fit_loop(client, ring_dir, dtype, snapshot, assert_unchanged):
+def test_relay_fit_equals_partial_fit_loop(
+    client, ring_dir, dtype, transport, snapshot, assert_unchanged
+):
     X, y, w = _data(n=4_000, seed=1, weights=True, dtype=dtype)
     chunks = (800, 500, 1200, 700, 800)
     Xd, yd, wd = _arrays(X, y, w, chunks)
     model = RenewableHuberRegressor(loader="relay", lookahead=3, progress=False, dtype=dtype)
-    model.fit(Xd, yd, sample_weight=wd)
+    with dask.config.set({"rh-dask.relay.transport": transport}):
+        model.fit(Xd, yd, sample_weight=wd)
     _assert_roles(model, client)
+    assert model.placement_["relay_transport"] == transport
     assert model.coef_.dtype == np.dtype(dtype)
     ref = _loop(_row_blocks(X, y, w, chunks), dtype=dtype)
     _same(model, ref, assert_unchanged, snapshot)
@@ -570,9 +575,16 @@ def test_relay_fit_on_worker_processes(process_cluster, ring_dir, snapshot, asse
     assert not any(held.values()), held
 
 
+@pytest.fixture
+def dask_comm_transport():
+    """Chunks reach the relays as task results (which a test can find and kill)."""
+    with dask.config.set({"rh-dask.relay.transport": "dask"}):
+        yield
+
+
 @pytest.mark.slow
 def test_losing_a_relay_mid_fit_still_gives_the_same_fit(
-    process_cluster, ring_dir, snapshot, assert_unchanged
+    process_cluster, ring_dir, snapshot, assert_unchanged, dask_comm_transport
 ):
     # Chunk 0 loads slowly, so chunks 1..3 sit relayed (in the ring, their
     # notes sent) behind it; the relay holding their results is killed. Dask
@@ -582,6 +594,7 @@ def test_losing_a_relay_mid_fit_still_gives_the_same_fit(
     c.wait_for_workers(len(ROLES), timeout=60)
     names = _by_name(c)
     relays = {names["relay-0"], names["relay-1"]}
+
     pids = dict(c.run(os.getpid))
     X, y, _ = _data(n=12 * 200, seed=21)
     Xd = da.from_array(X, chunks=(200, 5)).map_blocks(
@@ -615,6 +628,64 @@ def test_losing_a_relay_mid_fit_still_gives_the_same_fit(
     model = outcome["model"]
     assert held and victim in model.placement_["relays"]
     with pytest.raises(ProcessLookupError):  # the relay died during the fit
+        os.kill(pids[victim], 0)
+    assert model.placement_["relay_transport"] == "dask"
+    _same(model, _loop(_row_blocks(X, y, None, [200] * 12)), assert_unchanged, snapshot)
+    assert _left(ring_dir) == []
+
+
+def _pushed(dask_scheduler=None) -> int:
+    """Hand-over tasks done so far over the TCP transport (run on the scheduler)."""
+    return sum(
+        1
+        for ts in dask_scheduler.tasks.values()
+        if ts.state == "memory" and isinstance(ts.key, tuple) and ts.key[0].startswith("rh-push-")
+    )
+
+
+@pytest.mark.slow
+def test_losing_a_relay_mid_fit_over_tcp_still_gives_the_same_fit(
+    process_cluster, ring_dir, snapshot, assert_unchanged
+):
+    # Chunk 0 loads slowly, so chunks 1..3 sit pushed into the ring behind it;
+    # then a relay is killed. Chunks that were to go to it go to the other
+    # relay (push_chunk tries the next), the ring keeps what it was given,
+    # and the fit must not change by a bit.
+    c = process_cluster
+    c.wait_for_workers(len(ROLES), timeout=60)
+    names = _by_name(c)
+    pids = dict(c.run(os.getpid))
+    X, y, _ = _data(n=12 * 200, seed=22)
+    Xd = da.from_array(X, chunks=(200, 5)).map_blocks(
+        _slow_first, dtype=X.dtype, meta=np.empty((0, 0), X.dtype), seconds=2.0
+    )
+    outcome: dict = {}
+
+    def fit() -> None:
+        try:
+            with c.as_current(), dask.config.set({"rh-dask.relay.transport": "tcp"}):
+                model = RenewableHuberRegressor(loader="relay", lookahead=4, progress=False)
+                outcome["model"] = model.fit(Xd, da.from_array(y, chunks=200))
+        except BaseException as exc:
+            outcome["error"] = exc
+
+    thread = threading.Thread(target=fit, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and thread.is_alive():
+        if c.run_on_scheduler(_pushed) >= 2:
+            break
+        time.sleep(0.02)
+    assert c.run_on_scheduler(_pushed) >= 2, "no chunk was pushed while chunk 0 loaded"
+    victim = names["relay-0"]
+    os.kill(pids[victim], signal.SIGKILL)
+    thread.join(60)
+    assert not thread.is_alive()
+    assert "error" not in outcome, outcome.get("error")
+    model = outcome["model"]
+    assert model.placement_["relay_transport"] == "tcp"
+    assert victim in model.placement_["relays"]
+    with pytest.raises(ProcessLookupError):
         os.kill(pids[victim], 0)
     _same(model, _loop(_row_blocks(X, y, None, [200] * 12)), assert_unchanged, snapshot)
     assert _left(ring_dir) == []

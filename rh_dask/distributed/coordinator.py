@@ -52,6 +52,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 import dask.array as da
+import dask.config
 import numpy as np
 from dask.highlevelgraph import HighLevelGraph, MaterializedLayer
 from distributed import Future, wait
@@ -84,6 +85,7 @@ from .placement import (
     scheduler_workers,
 )
 from .progress import StreamProgress
+from .push import PushSpec, push_chunk
 from .relay import attach_relay, relay_chunk
 from .ring import RingSpec
 
@@ -379,6 +381,7 @@ class ClusterWalk:
         self._last_answer = time.monotonic()
         self._ring: RingSpec | None = None
         self._relays: list[str] = []
+        self._push: PushSpec | None = None
         self._loaders: list[str] = []
 
     # -- setup ---------------------------------------------------------------------------
@@ -497,15 +500,27 @@ class ClusterWalk:
         self._ring = self._answer(make, host.address)
         workers = cluster_workers(self.client)
         candidates = relay_candidates(workers, host, self.settings.relay_resource)
+        push = self._relay_transport() == "tcp"
         answers: dict[str, Any] = {}
         if candidates:
             answers = self.client.run(
                 attach_relay,
                 self._ring,
+                push,
                 workers=[w.address for w in candidates],
                 on_error="return",
             )
-        self._relays = sorted(a for a, ok in answers.items() if ok is True)
+        attached = {
+            a: ok for a, ok in answers.items() if ok is True or (push and isinstance(ok, tuple))
+        }
+        self._relays = sorted(attached)
+        self._push = None
+        if push:
+            self._push = PushSpec(
+                self._ring.ring_id,
+                self._ring.authkey,
+                tuple(tuple(attached[a]) for a in self._relays),
+            )
         self._answer(self._actor.seal_relay(), host.address)
         if not self._relays:
             raise EngineUnavailableError(
@@ -517,6 +532,17 @@ class ClusterWalk:
         self._loaders = [w.address for w in loading_workers(workers, host, self._relays)]
         self.outcome.placement["relays"] = list(self._relays)
         self.outcome.placement["loaders"] = list(self._loaders)
+        self.outcome.placement["relay_transport"] = "tcp" if push else "dask"
+
+    def _relay_transport(self) -> str:
+        """``rh-dask.relay.transport`` decided: ``"tcp"`` unless Dask's comm must be encrypted."""
+        transport = self.settings.relay_transport
+        if transport != "auto":
+            return transport
+        encrypted = bool(dask.config.get("distributed.comm.require-encryption", False))
+        if encrypted or str(self.scheduler_address or "").startswith("tls://"):
+            return "dask"
+        return "tcp"
 
     def _check_relays(self) -> None:
         """Raise :class:`StreamError` once every relay of the stream is gone."""
@@ -542,9 +568,12 @@ class ClusterWalk:
         loaders = _restricted(self._loaders) if mode == "relay" else {}
         # The task handing a loaded chunk over, where it runs, and its arguments:
         # onto the actor's worker ("cluster"), into the ring through a relay ("relay").
+        relay = ("rh-relay", relay_chunk, (self._ring,), _restricted(self._relays))
+        if self._push is not None:  # sent by the loading worker itself
+            relay = ("rh-push", push_chunk, (self._push,), loaders)
         hand_over = {
             "cluster": ("rh-deliver", deliver_chunk, (self._actor.key, stream_id), pinned),
-            "relay": ("rh-relay", relay_chunk, (self._ring,), _restricted(self._relays)),
+            "relay": relay,
         }.get(mode)
         layers: dict[str, MaterializedLayer] = {}
         deps: dict[str, set[str]] = {}

@@ -12,6 +12,10 @@ GPU engine consumes; R relays receive in R processes, and the engine's own
 process handles no Dask message, no decode and no validation per chunk, only
 one copy from the ring into its pinned pool (on the receiver's threads).
 
+How a chunk reaches a relay is ``rh-dask.relay.transport``: as the
+dependency of the relay's task over Dask's comm, or pushed by the loading
+worker over a plain TCP connection straight into the ring (:mod:`.push`).
+
 Every relay attaches once per stream (:func:`attach_relay`, run by the
 coordinator with ``client.run``): it maps the ring and opens a connection to
 the engine's listener (``multiprocessing.connection`` over ``AF_UNIX``, with
@@ -34,9 +38,11 @@ from multiprocessing.connection import Client, Connection, answer_challenge, del
 from typing import Any
 
 import numpy as np
+from distributed.comm import get_address_host
 
 from . import memory
 from .items import BadChunk, ChunkItem, LoadedChunk
+from .push import PushServer
 from .ring import ChunkRing, RingError, RingSpec, RingWriter, SlotNote
 
 __all__ = ["RelayReceiver", "attach_relay", "attached_rings", "detach_relay", "relay_chunk"]
@@ -54,9 +60,10 @@ _heap = {"users": 0, "restore": None}
 
 
 class _Relay:
-    """One ring attached in this (relay) process: its writer and its note connection."""
+    """One ring attached in this (relay) process: its writer, its note connection and,
+    for the TCP transport, the server loading workers push chunks to."""
 
-    def __init__(self, spec: RingSpec) -> None:
+    def __init__(self, spec: RingSpec, push_host: str | None = None) -> None:
         self.spec = spec
         self.writer = RingWriter.attach(spec)
         try:
@@ -65,6 +72,13 @@ class _Relay:
             self.writer.close()
             raise RingError(f"cannot reach the engine's listener {spec.socket!r}: {exc}") from exc
         self._send_lock = threading.Lock()
+        self.push: PushServer | None = None
+        if push_host is not None:
+            try:
+                self.push = PushServer(push_host, spec.authkey, self.writer.write_with, self.send)
+            except BaseException:
+                self.close()
+                raise
         self._watcher = threading.Thread(
             target=self._watch, name=f"rh-dask-relay-{spec.ring_id[:8]}", daemon=True
         )
@@ -84,6 +98,8 @@ class _Relay:
             self.conn.send(note)
 
     def close(self) -> None:
+        if self.push is not None:
+            self.push.close()
         self.writer.close()
         _shutdown(self.conn)
 
@@ -106,30 +122,40 @@ def _shutdown(conn: Connection) -> None:
         pass
 
 
-def attach_relay(spec: RingSpec) -> bool:
+def attach_relay(
+    spec: RingSpec, push: bool = False, dask_worker: Any = None
+) -> bool | tuple[str, int]:
     """Attach this process to the ring ``spec``; False when it cannot see it.
 
     Run on every candidate relay with ``client.run`` at the start of a stream;
-    idempotent.
+    idempotent. With ``push``, the relay also listens for chunks that loading
+    workers send over TCP (:mod:`.push`) on its worker's host, and the
+    answer is that server's ``(host, port)`` instead of True.
     """
     with _lock:
         if spec.ring_id in _attached:
-            return True
+            relay = _attached[spec.ring_id]
+            return relay.push.address if relay.push is not None else True
+    host = None
+    if push:
+        address = getattr(dask_worker, "address", None) or "tcp://127.0.0.1"
+        host = get_address_host(address)
     try:
-        relay = _Relay(spec)
+        relay = _Relay(spec, host)
     except (RingError, OSError) as exc:
         logger.debug("not a relay for ring %s: %s", spec.ring_id, exc)
         return False
     with _lock:
         if spec.ring_id in _attached:  # attached meanwhile by another thread
             relay.close()
-            return True
+            other = _attached[spec.ring_id]
+            return other.push.address if other.push is not None else True
         _attached[spec.ring_id] = relay
         if spec.heap_for_chunks:
             _heap["users"] += 1
             if _heap["users"] == 1:
                 _heap["restore"] = memory.heap_for_chunks()
-    return True
+    return relay.push.address if relay.push is not None else True
 
 
 def detach_relay(ring_id: str) -> bool:

@@ -35,7 +35,7 @@ import tempfile
 import threading
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -154,14 +154,23 @@ class SlotNote:
 
 def slot_layout(arrays: Sequence[np.ndarray | None]) -> tuple[tuple[PartLayout | None, ...], int]:
     """The layout of ``arrays`` packed one after the other, and the bytes it takes."""
+    return layout_of([None if a is None else (a.shape, a.dtype.str) for a in arrays])
+
+
+def layout_of(
+    shapes: Sequence[tuple[Sequence[int], str] | None],
+) -> tuple[tuple[PartLayout | None, ...], int]:
+    """The layout of arrays of these ``(shape, dtype)``, packed in order, and its bytes."""
     parts: list[PartLayout | None] = []
     offset = 0
-    for a in arrays:
-        if a is None:
+    for entry in shapes:
+        if entry is None:
             parts.append(None)
             continue
-        parts.append(PartLayout(offset, tuple(int(n) for n in a.shape), a.dtype.str))
-        offset += -(-int(a.nbytes) // _ALIGN) * _ALIGN
+        shape, dtype = entry
+        part = PartLayout(offset, tuple(int(n) for n in shape), np.dtype(dtype).str)
+        parts.append(part)
+        offset += -(-part.nbytes // _ALIGN) * _ALIGN
     return tuple(parts), offset
 
 
@@ -447,8 +456,28 @@ class RingWriter:
             overflow file cannot be written.
         """
         parts, needed = slot_layout(arrays)
+
+        def fill(buffer: Any, base: int) -> None:
+            _copy_into(buffer, base, parts, arrays)
+
+        return self.write_with(index, parts, needed, fill)
+
+    def write_with(
+        self,
+        index: int,
+        parts: tuple[PartLayout | None, ...],
+        needed: int,
+        fill: Callable[[Any, int], None],
+    ) -> SlotNote | None:
+        """Like :meth:`write`, with ``fill(buffer, base)`` writing the bytes ``parts`` lay out.
+
+        ``fill`` is called at most once, with the slot's (or an overflow
+        file's) mapping and the offset its parts are relative to; it is not
+        called for a stale chunk. A relay receiving a chunk from a socket
+        reads it straight into the mapping this way.
+        """
         if needed > self.spec.slot_bytes:
-            return self._write_overflow(index, arrays, parts, needed)
+            return self._write_overflow(index, parts, needed, fill)
         slot = index % self.spec.n_slots
         deadline = time.monotonic() + _OWNER_WAIT_SECONDS
         while True:
@@ -463,20 +492,20 @@ class RingWriter:
             if owner == index:
                 break
             if time.monotonic() >= deadline:
-                return self._write_overflow(index, arrays, parts, needed)
+                return self._write_overflow(index, parts, needed, fill)
             time.sleep(_OWNER_POLL_SECONDS)
         with self._mapped.locked(slot):
             if int(self._mapped.owner[slot]) != index:
                 return None
-            _copy_into(self._mapped.map, self._mapped.slot_base(slot), parts, arrays)
+            fill(self._mapped.map, self._mapped.slot_base(slot))
         return SlotNote(index, slot, parts)
 
     def _write_overflow(
         self,
         index: int,
-        arrays: Sequence[np.ndarray | None],
         parts: tuple[PartLayout | None, ...],
         needed: int,
+        fill: Callable[[Any, int], None],
     ) -> SlotNote:
         path = f"{self.spec.path}.x{index}.{uuid.uuid4().hex[:8]}"
         try:
@@ -487,7 +516,7 @@ class RingWriter:
             _allocate(fd, max(needed, 1), path)
             mapped = _map(fd, max(needed, 1))
             try:
-                _copy_into(mapped, 0, parts, arrays)
+                fill(mapped, 0)
             finally:
                 # A failed copy's traceback may still hold a view: the mapping
                 # then goes with it.

@@ -1,0 +1,379 @@
+"""Pushing loaded chunks to relays over plain TCP, straight into the engine's ring.
+
+The relay hand-over's second transport (``rh-dask.relay.transport: tcp``).
+With Dask's comm, a loaded chunk travels to a relay as a task dependency and
+the relay copies it into the ring; with this one, the loading worker's
+hand-over task (:func:`push_chunk`) sends the chunk's bytes over a TCP
+connection to the relay's :class:`PushServer`, which receives them straight
+into the chunk's slot of the ring (``recv_into`` its mapping: no copy in
+user space on either side) and sends the engine its note. Why: on the H200
+plain TCP carried 3.0 GB/s into one receiving process and 12.2 GB/s into
+four (``benchmarks/tcp_ceiling.py``), where the same relays received
+3.1-3.9 GB/s in all over Dask's comm (``benchmarks/scale_out.py``).
+
+Connections are authenticated with the ring's key (an HMAC challenge, the
+key itself never crosses the network) but not encrypted: where Dask's comm
+must be encrypted (``distributed.comm.require-encryption``, a ``tls://``
+scheduler) the coordinator keeps the Dask comm transport.
+
+The protocol, per chunk on one connection: a header (``!Q`` length, then a
+pickle of ``(index, kind, body)``; ``kind`` ``"arrays"`` with the parts'
+``(shape, dtype)`` or ``None``, or ``"item"`` with an empty or bad chunk's
+item), the arrays' bytes in order for ``"arrays"``, and the relay's answer
+(the same framing, ``("ok", nbytes)`` or ``("error", message)``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import hmac
+import logging
+import os
+import pickle
+import secrets
+import select
+import socket
+import struct
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from ..exceptions import RingError
+from .items import ChunkItem, LoadedChunk
+from .ring import PartLayout, SlotNote, layout_of
+
+__all__ = ["PushServer", "PushSpec", "push_chunk"]
+
+logger = logging.getLogger(__name__)
+
+_FRAME = struct.Struct("!Q")
+_CHALLENGE_BYTES = 32
+#: Largest header a relay reads (a chunk's header is a few hundred bytes).
+_MAX_HEADER = 1 << 20
+#: Seconds a loader waits to connect to a relay, and for any one socket
+#: operation after that. Not settings: a relay that does not answer within
+#: them is treated as lost, and the chunk goes to another relay.
+_CONNECT_SECONDS = 10.0
+_IO_SECONDS = 120.0
+#: Bytes a relay reads at a time when it must discard a chunk (a stale copy).
+_DRAIN_BYTES = 1 << 22
+
+
+@dataclass(frozen=True)
+class PushSpec:
+    """Where a loading worker sends the chunks of one stream.
+
+    Attributes
+    ----------
+    ring_id : str
+    authkey : bytes
+        The ring's key: connections prove they know it.
+    addresses : tuple of (str, int)
+        The relays' push servers, in the stream's order.
+    """
+
+    ring_id: str
+    authkey: bytes
+    addresses: tuple[tuple[str, int], ...]
+
+
+def _digest(key: bytes, challenge: bytes) -> bytes:
+    return hmac.new(key, challenge, hashlib.sha256).digest()
+
+
+def _recv_exact(sock: socket.socket, view: memoryview) -> None:
+    """Fill ``view`` from ``sock``; :class:`EOFError` if the peer closes first."""
+    got, size = 0, len(view)
+    while got < size:
+        n = sock.recv_into(view[got:], size - got)
+        if n == 0:
+            raise EOFError("the connection closed in the middle of a chunk")
+        got += n
+
+
+def _send_frame(sock: socket.socket, payload: Any) -> None:
+    data = pickle.dumps(payload, protocol=pickle.HIGHEST_PROTOCOL)
+    sock.sendall(_FRAME.pack(len(data)) + data)
+
+
+def _recv_frame(sock: socket.socket) -> Any:
+    head = bytearray(_FRAME.size)
+    _recv_exact(sock, memoryview(head))
+    (size,) = _FRAME.unpack(head)
+    if size > _MAX_HEADER:
+        raise RingError(f"a header of {size} bytes is not a chunk's")
+    body = bytearray(size)
+    _recv_exact(sock, memoryview(body))
+    return pickle.loads(body)
+
+
+def _part_views(buffer: Any, base: int, parts: tuple[PartLayout | None, ...]) -> list[memoryview]:
+    view = memoryview(buffer)
+    return [view[base + p.offset : base + p.offset + p.nbytes] for p in parts if p is not None]
+
+
+# -- the relay's side ------------------------------------------------------------------
+
+
+class PushServer:
+    """Accepts loading workers' connections in a relay and writes their chunks into the ring.
+
+    Parameters
+    ----------
+    host : str
+        The interface to listen on (the relay worker's own host).
+    authkey : bytes
+        The ring's key.
+    write : callable
+        ``write(index, parts, needed, fill)``: the ring writer's
+        :meth:`~.ring.RingWriter.write_with`.
+    send : callable
+        ``send(message)``: hands a note (or an empty or bad chunk's item) to
+        the engine's process.
+    """
+
+    def __init__(
+        self,
+        host: str,
+        authkey: bytes,
+        write: Callable[..., SlotNote | None],
+        send: Callable[[Any], None],
+    ) -> None:
+        self._authkey = authkey
+        self._write = write
+        self._send = send
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        self._server = socket.socket(family, socket.SOCK_STREAM)
+        try:
+            self._server.bind((host, 0))
+            self._server.listen(64)
+        except OSError as exc:
+            self._server.close()
+            raise RingError(f"cannot listen for chunks on {host!r}: {exc}") from exc
+        self.address: tuple[str, int] = self._server.getsockname()[:2]
+        self._lock = threading.Lock()
+        self._conns: list[socket.socket] = []
+        self._closed = False
+        self._accepter = threading.Thread(
+            target=self._accept, name="rh-dask-push-accept", daemon=True
+        )
+        self._accepter.start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                sock, _ = self._server.accept()
+            except OSError:  # closed
+                return
+            with self._lock:
+                if self._closed:
+                    sock.close()
+                    return
+                self._conns.append(sock)
+            threading.Thread(
+                target=self._serve, args=(sock,), name="rh-dask-push-read", daemon=True
+            ).start()
+
+    def _serve(self, sock: socket.socket) -> None:
+        try:
+            sock.settimeout(_IO_SECONDS)
+            challenge = secrets.token_bytes(_CHALLENGE_BYTES)
+            sock.sendall(challenge)
+            answer = bytearray(hashlib.sha256().digest_size)
+            _recv_exact(sock, memoryview(answer))
+            if not hmac.compare_digest(bytes(answer), _digest(self._authkey, challenge)):
+                logger.warning("a connection to push chunks was refused: wrong key")
+                return
+            sock.sendall(b"\x01")
+            # Chunks come when the loaders have them: no timeout between them.
+            while True:
+                sock.settimeout(None)
+                try:
+                    header = _recv_frame(sock)
+                except EOFError:
+                    return
+                sock.settimeout(_IO_SECONDS)
+                _send_frame(sock, self._chunk(sock, header))
+        except (OSError, EOFError, RingError, pickle.UnpicklingError) as exc:
+            logger.debug("a chunk-push connection ended: %s", exc)
+        finally:
+            with self._lock:
+                if sock in self._conns:
+                    self._conns.remove(sock)
+            with contextlib.suppress(OSError):
+                sock.close()
+
+    def _chunk(self, sock: socket.socket, header: Any) -> tuple[str, Any]:
+        index, kind, body = header
+        if kind == "item":
+            self._send(body)
+            return ("ok", 0)
+        parts, needed = layout_of(body)
+        received = []
+
+        def fill(buffer: Any, base: int) -> None:
+            for view in _part_views(buffer, base, parts):
+                _recv_exact(sock, view)
+            received.append(True)
+
+        try:
+            note = self._write(index, parts, needed, fill)
+        except RingError as exc:
+            if not received:
+                self._drain(sock, parts)
+            return ("error", str(exc))
+        if not received:  # a stale copy: the engine consumed this chunk already
+            self._drain(sock, parts)
+            return ("ok", 0)
+        try:
+            self._send(note)
+        except BaseException:
+            if note.overflow is not None:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(note.overflow)
+            raise
+        return ("ok", note.nbytes)
+
+    @staticmethod
+    def _drain(sock: socket.socket, parts: tuple[PartLayout | None, ...]) -> None:
+        left = sum(p.nbytes for p in parts if p is not None)
+        scratch = memoryview(bytearray(min(left, _DRAIN_BYTES) or 1))
+        while left:
+            n = min(left, len(scratch))
+            _recv_exact(sock, scratch[:n])
+            left -= n
+
+    def close(self) -> None:
+        """Stop accepting and close every connection."""
+        with self._lock:
+            self._closed = True
+            conns, self._conns = self._conns, []
+        with contextlib.suppress(OSError):
+            self._server.shutdown(socket.SHUT_RDWR)
+        self._server.close()
+        for sock in conns:
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
+            sock.close()
+
+
+# -- the loading worker's side ------------------------------------------------------------
+
+_pool_lock = threading.Lock()
+#: Idle authenticated connections of this process, by (ring, relay address).
+_idle: dict[tuple[str, tuple[str, int]], list[socket.socket]] = {}
+
+
+def _closed_by_peer(sock: socket.socket) -> bool:
+    """Whether an idle connection was closed by its relay (readable with no data)."""
+    try:
+        readable, _, _ = select.select([sock], [], [], 0)
+        return bool(readable) and sock.recv(1, socket.MSG_PEEK) == b""
+    except (OSError, ValueError):
+        return True
+
+
+def _connect(spec: PushSpec, address: tuple[str, int]) -> socket.socket:
+    with _pool_lock:
+        # Relays close their connections when their stream ends: drop those.
+        for key in list(_idle):
+            keep = []
+            for sock in _idle[key]:
+                if _closed_by_peer(sock):
+                    sock.close()
+                else:
+                    keep.append(sock)
+            if keep:
+                _idle[key] = keep
+            else:
+                del _idle[key]
+        free = _idle.get((spec.ring_id, address))
+        if free:
+            return free.pop()
+    sock = socket.create_connection(address, timeout=_CONNECT_SECONDS)
+    try:
+        sock.settimeout(_IO_SECONDS)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        challenge = bytearray(_CHALLENGE_BYTES)
+        _recv_exact(sock, memoryview(challenge))
+        sock.sendall(_digest(spec.authkey, bytes(challenge)))
+        ok = bytearray(1)
+        _recv_exact(sock, memoryview(ok))
+    except BaseException:
+        sock.close()
+        raise
+    return sock
+
+
+def _give_back(spec: PushSpec, address: tuple[str, int], sock: socket.socket) -> None:
+    with _pool_lock:
+        _idle.setdefault((spec.ring_id, address), []).append(sock)
+
+
+def forget_connections(ring_id: str | None = None) -> None:
+    """Close this process's idle connections (of one ring, or all)."""
+    with _pool_lock:
+        keys = [k for k in _idle if ring_id is None or k[0] == ring_id]
+        socks = [s for k in keys for s in _idle.pop(k)]
+    for sock in socks:
+        sock.close()
+
+
+def _host_array(a: Any) -> np.ndarray | None:
+    if a is None:
+        return None
+    get = getattr(a, "get", None)  # CuPy
+    return np.ascontiguousarray(get() if callable(get) and not isinstance(a, np.ndarray) else a)
+
+
+def _send_chunk(sock: socket.socket, item: ChunkItem) -> tuple[str, Any]:
+    if not isinstance(item, LoadedChunk):
+        _send_frame(sock, (item.index, "item", item))
+        return _recv_frame(sock)
+    arrays = [_host_array(a) for a in (item.X, item.y, item.sample_weight)]
+    shapes = [None if a is None else (a.shape, a.dtype.str) for a in arrays]
+    _send_frame(sock, (item.index, "arrays", shapes))
+    for a in arrays:
+        if a is not None and a.nbytes:
+            sock.sendall(memoryview(a).cast("B"))
+    return _recv_frame(sock)
+
+
+def push_chunk(item: ChunkItem, spec: PushSpec) -> int:
+    """The hand-over task on a loading worker: send one loaded chunk to a relay.
+
+    Tries the relays in turn, starting at ``index mod R``; returns the bytes
+    the relay wrote (0 for an empty or refused chunk, and for a stale copy).
+
+    Raises
+    ------
+    RingError
+        When no relay takes the chunk (every one is lost, or the stream ended).
+    """
+    addresses = spec.addresses
+    if not addresses:
+        raise RingError(f"the stream of ring {spec.ring_id} has no relay to push to")
+    first = item.index % len(addresses)
+    failures = []
+    for k in range(len(addresses)):
+        address = addresses[(first + k) % len(addresses)]
+        try:
+            sock = _connect(spec, address)
+        except (OSError, EOFError) as exc:
+            failures.append(f"{address[0]}:{address[1]}: {exc}")
+            continue
+        try:
+            status, value = _send_chunk(sock, item)
+        except (OSError, EOFError, RingError) as exc:
+            sock.close()
+            failures.append(f"{address[0]}:{address[1]}: {exc}")
+            continue
+        _give_back(spec, address, sock)
+        if status == "ok":
+            return int(value)
+        raise RingError(f"relay {address[0]}:{address[1]} refused chunk {item.index}: {value}")
+    raise RingError(f"no relay took chunk {item.index}: {'; '.join(failures)}")
