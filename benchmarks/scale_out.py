@@ -80,7 +80,10 @@ from distributed_fit import (
 
 SCHEMA = "rh-dask/bench/scale-out/1"
 SOURCES = ("pread", "parquet", "zarr")
-FIT_LOADERS = ("relay", "cluster", "actor")
+#: Loaders to fit with: "relay" takes the default transport (TCP into the ring),
+#: "relay-dask" the relay over Dask's comm (``rh-dask.relay.transport: dask``).
+FIT_LOADERS = ("relay", "relay-dask", "cluster", "actor")
+TRANSPORTS = {"relay": "tcp", "relay-dask": "dask"}
 BENCH_DIR = Path(__file__).resolve().parent
 REPO_ROOT = BENCH_DIR.parent
 
@@ -804,20 +807,23 @@ def run_fit(
     """One timed fit (after a warm-up fit of two chunks) with ``loader``."""
     from rh_dask import RenewableHuberRegressor
 
+    transport = TRANSPORTS.get(loader)
     params = dict(
         engine=args.engine,
         dtype=args.dtype,
-        loader=loader,
+        loader="relay" if transport else loader,
         lookahead=args.lookahead,
         worker=worker,
         progress=False,
     )
-    RenewableHuberRegressor(**params).fit(*small)
-    model = RenewableHuberRegressor(**params)
-    with memory.window() as mem, get_task_stream() as stream:
-        t0 = time.perf_counter()
-        model.fit(*inputs)
-        wall = time.perf_counter() - t0
+    config = {"rh-dask.relay.transport": transport} if transport else {}
+    with dask.config.set(config):
+        RenewableHuberRegressor(**params).fit(*small)
+        model = RenewableHuberRegressor(**params)
+        with memory.window() as mem, get_task_stream() as stream:
+            t0 = time.perf_counter()
+            model.fit(*inputs)
+            wall = time.perf_counter() - t0
     history = model.history_
     rows = int(history["rows"].sum())
     engine_seconds = float(history["seconds"].sum())
@@ -971,7 +977,12 @@ def plot(payloads: list[dict[str, Any]], path: Path) -> Path | None:
         return None
     fig, ax = plt.subplots(figsize=(8, 4.8))
     colors = {"pread": "tab:blue", "parquet": "tab:orange", "zarr": "tab:green"}
-    styles = {"relay": ("-", "o"), "cluster": ("-.", "s"), "actor": (":", "^")}
+    styles = {
+        "relay": ("-", "o"),
+        "relay-dask": ("--", "D"),
+        "cluster": ("-.", "s"),
+        "actor": (":", "^"),
+    }
     # One line per source and loader; a source measured by several files keeps the last.
     lines: dict[tuple[str, str], dict[int, float]] = {}
     engine_rps = None
@@ -1231,10 +1242,11 @@ def run_cluster(
                     args.transfer_chunks,
                 ),
             )
-        others = [name for name in loaders if name != "relay"]
+        relayed = [name for name in loaders if name in TRANSPORTS]
+        others = [name for name in loaders if name not in TRANSPORTS]
         memory = RoleMemory(cluster.pids())
         fits_for(entry, args, others, dirs, engine_addr, memory, refs)
-        if "relay" in loaders or "relay-ceiling" not in skip:
+        if relayed or "relay-ceiling" not in skip:
             cluster.add_relays()
             names = cluster.addresses()
             relays = [names[f"relay-{i}"] for i in range(len(plan["relays"]))]
@@ -1254,9 +1266,9 @@ def run_cluster(
                         args.ring_slots,
                     ),
                 )
-            if "relay" in loaders:
+            if relayed:
                 memory = RoleMemory(cluster.pids())
-                fits_for(entry, args, ["relay"], dirs, engine_addr, memory, refs)
+                fits_for(entry, args, relayed, dirs, engine_addr, memory, refs)
         entry["processes"] = cluster.describe()
     except Exception as exc:  # keep the other N's numbers
         entry["error"] = f"{type(exc).__name__}: {exc}"
