@@ -1,6 +1,6 @@
 """The ``rh-dask`` command line (also ``python -m rh_dask``).
 
-Subcommands: ``demo``, ``fit``, ``attach``, ``predict``, ``info``.
+Subcommands: ``demo``, ``fit``, ``attach``, ``predict``, ``info``, ``certs``.
 ``rh-dask <command> --help`` lists each one's options; ``docs/api.md``
 documents them.
 
@@ -16,7 +16,8 @@ Exit codes (also in ``rh-dask --help``):
        detached fit of the name given to ``attach`` (or a cancelled one), an
        output path that cannot be written (checked before any work)
 4      cluster failure: scheduler unreachable, no workers, engine's worker lost
-       (and no recovery left)
+       (and no recovery left), TLS credentials missing, expired, from another
+       CA or refused by the scheduler
 5      engine unavailable: the requested engine cannot start
 6      an optional dependency is missing (the message names the extra)
 130    interrupted
@@ -83,7 +84,8 @@ exit codes:
      name given to attach (or a cancelled one), an output path that cannot be
      written
   4  cluster failure: scheduler unreachable, no workers, engine's worker lost
-     (and no recovery left)
+     (and no recovery left), TLS credentials missing, expired, from another CA
+     or refused by the scheduler
   5  engine unavailable: the requested engine cannot start
   6  an optional dependency is missing (the message names the extra)
 130  interrupted (Ctrl-C)
@@ -166,9 +168,25 @@ def _add_cluster_options(parser: argparse.ArgumentParser, *, default: str) -> No
         const=DEFAULT_DASHBOARD,
         metavar="ADDRESS",
         help="serve the local cluster's dashboard (at ADDRESS, default "
-        f"{DEFAULT_DASHBOARD}) and print its link; with a scheduler address, print "
-        "that scheduler's link (default: no dashboard)",
+        f"{DEFAULT_DASHBOARD}; a bare :PORT stays on 127.0.0.1) and print its link; with a "
+        "scheduler address, print that scheduler's link (default: no dashboard)",
     )
+    _add_tls_options(group)
+
+
+def _add_tls_options(group: Any) -> None:
+    """Client credentials for a ``tls://`` scheduler (see :mod:`rh_dask.app.security`)."""
+    group.add_argument(
+        "--tls-dir",
+        metavar="DIR",
+        help="TLS credentials written by 'rh-dask certs DIR' (its ca.pem, client.pem, "
+        "client-key.pem) for a tls:// scheduler; default: dask's distributed.comm.tls.* "
+        "settings",
+    )
+    for flag, what in (("ca-file", "CA certificate"), ("cert", "certificate"), ("key", "key")):
+        group.add_argument(
+            f"--tls-{flag}", metavar="PATH", help=f"the client's {what} (overrides --tls-dir)"
+        )
 
 
 def _estimator_defaults() -> dict[str, Any]:
@@ -270,6 +288,7 @@ def _add_remote_options(parser: argparse.ArgumentParser) -> None:
         metavar="SECONDS",
         help=f"how long to wait for the scheduler (default: {timeout:g})",
     )
+    _add_tls_options(group)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -394,6 +413,34 @@ def build_parser() -> argparse.ArgumentParser:
     info.add_argument("model", type=Path, metavar="MODEL.npz")
     info.add_argument("--json", action="store_true", help="print JSON instead of text")
     info.set_defaults(handler=_cmd_info)
+
+    certs = commands.add_parser(
+        "certs",
+        help="write a CA and TLS certificates for a scheduler, its workers and a client",
+        description="Write a new certificate authority (ca.pem) and, signed by it, a "
+        "certificate and private key for each role: scheduler, worker, client. The CA's "
+        "own key is not kept. Needs the cryptography package (rh-dask[tls]).",
+        epilog=_EXIT_HELP,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    certs.add_argument("directory", type=Path, metavar="DIR", help="where the files go")
+    certs.add_argument(
+        "--host",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="a host name or IP the scheduler and workers are reached at, written into "
+        "their certificates (repeatable; localhost and 127.0.0.1 always are)",
+    )
+    certs.add_argument(
+        "--days", type=_positive_float, default=365.0, help="validity (default: %(default)g)"
+    )
+    existing = certs.add_mutually_exclusive_group()
+    existing.add_argument(
+        "--keep", action="store_true", help="a complete set already in DIR is checked and kept"
+    )
+    existing.add_argument("--force", action="store_true", help="replace credentials in DIR")
+    certs.set_defaults(handler=_cmd_certs)
     return parser
 
 
@@ -458,6 +505,12 @@ def _check_usage(parser: argparse.ArgumentParser, args: argparse.Namespace) -> N
                 "--detach and --resume exclude each other: a detached fit with "
                 "--checkpoint-dir resumes by itself when the cluster reruns it"
             )
+    tls = [f"--{n.replace('_', '-')}" for n in _TLS_OPTIONS if getattr(args, n, None)]
+    if tls and args.scheduler_file is None and not _remote(args):
+        parser.error(
+            f"{tls[0]} is for a scheduler of its own: --scheduler tls://HOST:PORT or "
+            "--scheduler-file (a cluster this command starts listens on 127.0.0.1 only)"
+        )
     if args.command == "attach" and not _remote(args):
         parser.error("attach needs the fit's scheduler: --scheduler ADDRESS or --scheduler-file")
 
@@ -467,6 +520,25 @@ def _remote(args: argparse.Namespace) -> bool:
     if args.scheduler_file is not None:
         return True
     return args.scheduler not in (None, "auto", "local", "none")
+
+
+#: The client's TLS options (``--tls-dir``, ...), as attribute names.
+_TLS_OPTIONS = ("tls_dir", "tls_ca_file", "tls_cert", "tls_key")
+
+
+def _security(args: argparse.Namespace) -> Any:
+    """The client ``Security`` for the command's scheduler, or ``None`` for plain TCP."""
+    from .security import client_security, scheduler_address
+
+    if args.scheduler_file is None and not _remote(args):
+        return None
+    return client_security(
+        scheduler_address(args.scheduler, args.scheduler_file),
+        tls_dir=args.tls_dir,
+        ca_file=args.tls_ca_file,
+        cert=args.tls_cert,
+        key=args.tls_key,
+    )
 
 
 #: Options that only mean something on a local cluster: given, ``auto`` starts one.
@@ -526,6 +598,7 @@ def _session(args: argparse.Namespace, table: Any = None) -> Any:
         threads_per_worker=args.threads_per_worker,
         memory_limit=args.memory_limit,
         dashboard=args.dashboard,
+        security=_security(args),
     )
     try:
         if note is not None:
@@ -842,6 +915,9 @@ def _detach(args: argparse.Namespace, table: Any, session: Any) -> int:
         command += ["--scheduler-file", os.path.abspath(args.scheduler_file)]
     else:
         command += ["--scheduler", session.address]
+    for name in _TLS_OPTIONS:
+        if getattr(args, name) is not None:
+            command += [f"--{name.replace('_', '-')}", os.path.abspath(getattr(args, name))]
     command += ["--output", os.path.abspath(args.output)]
     if args.report is not None:
         command += ["--report", os.path.abspath(args.report)]
@@ -867,7 +943,10 @@ def _cmd_attach(args: argparse.Namespace, argv: Sequence[str]) -> int:
         require("matplotlib", "report", "--report")
     again = ["rh-dask", *argv]
     with open_cluster(
-        args.scheduler, scheduler_file=args.scheduler_file, timeout=args.connect_timeout
+        args.scheduler,
+        scheduler_file=args.scheduler_file,
+        timeout=args.connect_timeout,
+        security=_security(args),
     ) as session:
         print(f"cluster: {session.kind} at {session.address}", flush=True)
         fit = DetachedFit.attach(args.name, client=session.client)
@@ -1080,6 +1159,19 @@ def _cmd_demo(args: argparse.Namespace, argv: Sequence[str]) -> int:
     finally:
         if scratch is not None:
             shutil.rmtree(scratch, ignore_errors=True)
+    return EXIT_OK
+
+
+def _cmd_certs(args: argparse.Namespace, argv: Sequence[str]) -> int:
+    from .security import write_credentials
+
+    existing = "keep" if args.keep else "replace" if args.force else "refuse"
+    kept = args.keep and (args.directory / "ca.pem").exists()
+    files = write_credentials(args.directory, hosts=args.host, days=args.days, existing=existing)
+    verb = "kept" if kept else "wrote"
+    print(f"{verb} TLS credentials in {args.directory}: {', '.join(f.name for f in files)}")
+    if not kept:
+        print(f"valid for {args.days:g} days; the CA's private key was not kept")
     return EXIT_OK
 
 

@@ -214,7 +214,31 @@ def _dashboard_options(dashboard: str | None) -> dict[str, Any]:
             "dashboard_address": None,
             "scheduler_kwargs": {"dashboard": False, "dashboard_address": "127.0.0.1:0"},
         }
+    if dashboard.startswith(":") or dashboard.isdigit():
+        # distributed serves a host-less address on every interface: keep it local.
+        dashboard = "127.0.0.1:" + dashboard.lstrip(":")
     return {"dashboard_address": dashboard}
+
+
+def _connect_error(where: str, timeout: float, security: Any, exc: Exception) -> ClusterError:
+    """The one-line error for a failed connect, naming TLS when TLS is the problem."""
+    from .security import CertificateError
+
+    text = " ".join(str(exc).split())
+    if "certificate" in text.lower() or "ssl" in text.lower():
+        return CertificateError(
+            f"the TLS scheduler at {where} and this client did not accept each other's "
+            "certificates (a certificate of another CA, expired, or none): "
+            f"{text.split(' Check your security settings')[0]}"
+        )
+    if security is None and "reset by peer" in text:
+        return ClusterError(
+            f"the Dask scheduler at {where} closed the connection: {text} (a scheduler "
+            "that requires TLS refuses plain tcp://; use tls:// and --tls-dir DIR)"
+        )
+    return ClusterError(
+        f"cannot connect to the Dask scheduler at {where} within {timeout:g} s: {text}"
+    )
 
 
 def _start_local(
@@ -261,6 +285,7 @@ def open_cluster(
     threads_per_worker: int | None = None,
     memory_limit: str | None = None,
     dashboard: str | None = None,
+    security: Any = None,
 ) -> ClusterSession:
     """Connect to, or start, the cluster named by ``scheduler``.
 
@@ -278,11 +303,18 @@ def open_cluster(
         Serve a ``local`` cluster's dashboard at this address
         (``127.0.0.1:8787``); ``None``: no dashboard. For a remote scheduler
         any value asks for its dashboard's link (:attr:`ClusterSession.dashboard_link`).
+        An address without a host (``:8787``) is bound to 127.0.0.1; name
+        the host (``0.0.0.0:8787``) to serve it beyond this machine.
+    security : distributed.security.Security, optional
+        TLS credentials for a ``tls://`` scheduler
+        (:func:`rh_dask.app.security.client_security`).
 
     Raises
     ------
     ClusterError
-        When the scheduler does not answer within ``timeout`` or has no worker.
+        When the scheduler does not answer within ``timeout`` or has no worker;
+        :class:`~rh_dask.app.security.CertificateError` (a ClusterError) when
+        a TLS scheduler and this client do not accept each other's certificates.
     """
     from distributed import Client
 
@@ -310,12 +342,12 @@ def open_cluster(
     else:
         target = {"address": scheduler}
         where = scheduler
+    if security is not None:
+        target["security"] = security
     try:
         client = Client(**target, timeout=timeout)
-    except (OSError, TimeoutError, ValueError) as exc:
-        raise ClusterError(
-            f"cannot connect to the Dask scheduler at {where} within {timeout:g} s: {exc}"
-        ) from exc
+    except (OSError, TimeoutError, ValueError, TypeError, RuntimeError) as exc:
+        raise _connect_error(where, timeout, security, exc) from exc
     session = ClusterSession("remote", client, dashboard=dashboard is not None)
     try:
         client.wait_for_workers(1, timeout=timeout)
