@@ -9,6 +9,7 @@ checked for the fields that make them work; none was built or applied.
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import re
@@ -17,13 +18,14 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pandas as pd
 import pytest
 import yaml
 
-from rh_dask.app.cli import EXIT_ENGINE, build_parser
+from rh_dask.app.cli import EXIT_CLUSTER, EXIT_ENGINE, build_parser
 from rh_dask.datasets import StreamSpec
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -223,14 +225,14 @@ def _command_line(args: list[str]) -> str:
 def test_compose_has_scheduler_gpu_and_cpu_workers_and_a_valid_job():
     compose = yaml.safe_load((DEPLOY / "docker" / "compose.yaml").read_text())
     services = compose["services"]
-    assert set(services) == {"scheduler", "gpu-worker", "cpu-worker", "job"}
+    assert set(services) == {"certs", "scheduler", "gpu-worker", "cpu-worker", "job"}
     images = {s["image"] for s in services.values()}
     assert len(images) == 1
     build = services["scheduler"]["build"]
     assert (DEPLOY / "docker" / build["context"] / build["dockerfile"]).is_file()
     assert _command_line(services["scheduler"]["command"]).startswith("dask scheduler")
     gpu = services["gpu-worker"]
-    assert _command_line(gpu["command"]).startswith("dask cuda worker tcp://scheduler:8786")
+    assert _command_line(gpu["command"]).startswith("dask cuda worker tls://scheduler:8786")
     assert "--resources GPU=1" in _command_line(gpu["command"])
     device = gpu["deploy"]["resources"]["reservations"]["devices"][0]
     assert device["driver"] == "nvidia" and "gpu" in device["capabilities"]
@@ -238,9 +240,9 @@ def test_compose_has_scheduler_gpu_and_cpu_workers_and_a_valid_job():
     job = services["job"]["command"]
     assert job[:2] == ["rh-dask", "fit"]
     parsed = build_parser().parse_args(job[1:])
-    assert parsed.scheduler == "tcp://scheduler:8786"
-    for service in services.values():
-        assert "./data:/data" in service["volumes"]
+    assert parsed.scheduler == "tls://scheduler:8786"
+    for name, service in services.items():
+        assert name == "certs" or "./data:/data" in service["volumes"]
 
 
 def _k8s() -> dict[str, list[dict]]:
@@ -275,7 +277,7 @@ def test_kubernetes_gpu_worker_group_requests_a_gpu_and_advertises_it():
     assert len(images) == 1
     parsed = build_parser().parse_args(fit["args"][1:])
     # The operator names the scheduler service <cluster>-scheduler.
-    assert parsed.scheduler == f"tcp://{name}-scheduler:8786"
+    assert parsed.scheduler == f"tls://{name}-scheduler:8786"
     (claim,) = docs["PersistentVolumeClaim"]
     assert "ReadWriteMany" in claim["spec"]["accessModes"]
     pods = [
@@ -284,7 +286,11 @@ def test_kubernetes_gpu_worker_group_requests_a_gpu_and_advertises_it():
         job["spec"]["template"]["spec"],
     ]
     for pod in pods:
-        claims = [v["persistentVolumeClaim"]["claimName"] for v in pod["volumes"]]
+        claims = [
+            v["persistentVolumeClaim"]["claimName"]
+            for v in pod["volumes"]
+            if "persistentVolumeClaim" in v
+        ]
         assert claims == [claim["metadata"]["name"]]
 
 
@@ -295,3 +301,162 @@ def test_every_recipe_says_how_to_start_and_how_to_connect():
     index = (DEPLOY / "README.md").read_text()
     for recipe in ("local", "docker", "kubernetes", "slurm"):
         assert f"({recipe}/README.md)" in index
+
+
+# -- TLS in every recipe that listens beyond localhost ---------------------------------------
+REQUIRE_ENCRYPTION = "DASK_DISTRIBUTED__COMM__REQUIRE_ENCRYPTION"
+
+
+def _tls_files(args: list[str]) -> dict[str, str]:
+    flags = ("--tls-ca-file", "--tls-cert", "--tls-key")
+    return {a: b for a, b in itertools.pairwise(args) if a in flags}
+
+
+def _role_files(directory: str, role: str) -> dict[str, str]:
+    return {
+        "--tls-ca-file": f"{directory}/ca.pem",
+        "--tls-cert": f"{directory}/{role}.pem",
+        "--tls-key": f"{directory}/{role}-key.pem",
+    }
+
+
+def _dashboard_host(args: list[str]) -> str:
+    return args[args.index("--dashboard-address") + 1].rsplit(":", 1)[0]
+
+
+def test_compose_speaks_only_mutual_tls_and_keeps_the_dashboard_local():
+    services = yaml.safe_load((DEPLOY / "docker" / "compose.yaml").read_text())["services"]
+    certs = services["certs"]["command"]
+    assert certs[:3] == ["rh-dask", "certs", "/certs"] and "--keep" in certs
+    scheduler = services["scheduler"]["command"]
+    assert scheduler[scheduler.index("--protocol") + 1] == "tls"
+    assert _tls_files(scheduler) == _role_files("/certs", "scheduler")
+    # The dashboard: the container's 127.0.0.1 unless RH_DASK_DASHBOARD opts in.
+    assert _dashboard_host(scheduler) == "${RH_DASK_DASHBOARD:-127.0.0.1"
+    assert services["scheduler"]["depends_on"]["certs"] == {
+        "condition": "service_completed_successfully"
+    }
+    assert all(p.startswith("127.0.0.1:") for p in services["scheduler"]["ports"])
+    for name in ("gpu-worker", "cpu-worker"):
+        command = services[name]["command"]
+        assert "tls://scheduler:8786" in command
+        assert _tls_files(command) == _role_files("/certs", "worker")
+        assert _dashboard_host(command) == "127.0.0.1"
+    job = build_parser().parse_args(services["job"]["command"][1:])
+    assert job.scheduler.startswith("tls://") and job.tls_dir == "/certs"
+    for name, service in services.items():
+        assert service["environment"][REQUIRE_ENCRYPTION] == "True", name
+        mounts = [v for v in service["volumes"] if v.split(":")[1] == "/certs"]
+        assert mounts == (["tls:/certs"] if name == "certs" else ["tls:/certs:ro"]), name
+    dockerfile = (DEPLOY / "docker" / "Dockerfile").read_text()
+    (extras,) = re.findall(r'"/src\[([^\]]+)\]"', dockerfile)
+    assert "tls" in extras.split(",")  # cryptography, for rh-dask certs
+
+
+def _container_env(container: dict) -> dict[str, str]:
+    return {e["name"]: e["value"] for e in container.get("env", [])}
+
+
+def _secret_items(pod: dict) -> list[str]:
+    (tls,) = [v for v in pod["volumes"] if "secret" in v]
+    assert tls["secret"]["secretName"] == "rh-dask-tls"
+    (container,) = pod["containers"]
+    (mount,) = [m for m in container["volumeMounts"] if m["name"] == tls["name"]]
+    assert mount["mountPath"] == "/certs" and mount["readOnly"] is True
+    # Readable by the image's user (uid 1000) through the pod's group.
+    assert pod["securityContext"]["fsGroup"] == 1000
+    assert tls["secret"]["defaultMode"] == 0o440
+    return sorted(item["path"] for item in tls["secret"]["items"])
+
+
+def test_kubernetes_speaks_only_mutual_tls_each_pod_holding_its_own_role():
+    docs = _k8s()
+    (cluster,) = docs["DaskCluster"]
+    (group,) = docs["DaskWorkerGroup"]
+    (job,) = docs["Job"]
+    scheduler_pod = cluster["spec"]["scheduler"]["spec"]
+    (scheduler,) = scheduler_pod["containers"]
+    assert scheduler["args"][scheduler["args"].index("--protocol") + 1] == "tls"
+    assert _tls_files(scheduler["args"]) == _role_files("/certs", "scheduler")
+    assert _dashboard_host(scheduler["args"]) == "127.0.0.1"
+    assert _container_env(scheduler)[REQUIRE_ENCRYPTION] == "True"
+    assert _secret_items(scheduler_pod) == ["ca.pem", "scheduler-key.pem", "scheduler.pem"]
+    # Only the TLS comm port is served: no dashboard port on the service.
+    assert [p["port"] for p in cluster["spec"]["scheduler"]["service"]["ports"]] == [8786]
+    name = cluster["metadata"]["name"]
+    for pod in (cluster["spec"]["worker"]["spec"], group["spec"]["worker"]["spec"]):
+        (worker,) = pod["containers"]
+        assert worker["args"][worker["args"].index("worker") + 1] == f"tls://{name}-scheduler:8786"
+        assert _tls_files(worker["args"]) == _role_files("/certs", "worker")
+        assert _dashboard_host(worker["args"]) == "127.0.0.1"
+        assert _container_env(worker)[REQUIRE_ENCRYPTION] == "True"
+        assert _secret_items(pod) == ["ca.pem", "worker-key.pem", "worker.pem"]
+    pod = job["spec"]["template"]["spec"]
+    (fit,) = pod["containers"]
+    parsed = build_parser().parse_args(fit["args"][1:])
+    assert parsed.scheduler.startswith("tls://") and parsed.tls_dir == "/certs"
+    assert _secret_items(pod) == ["ca.pem", "client-key.pem", "client.pem"]
+    assert (
+        "kubectl create secret generic rh-dask-tls"
+        in (DEPLOY / "kubernetes" / "README.md").read_text()
+    )
+
+
+def test_sbatch_makes_credentials_and_speaks_only_tls():
+    text = (DEPLOY / "slurm" / "rh-dask-fit.sbatch").read_text()
+    flat = text.replace("\\\n", " ")
+    assert re.search(r'^rh-dask certs "\$TLS_DIR" --keep', text, re.M)
+    assert f"export {REQUIRE_ENCRYPTION}=True" in text
+    scheduler = shlex.split(flat[flat.index("dask scheduler ") :].split("&")[0])
+    assert scheduler[scheduler.index("--protocol") + 1] == "tls"
+    assert _tls_files(scheduler) == _role_files("$TLS_DIR", "scheduler")
+    worker = shlex.split(flat[flat.index("dask cuda worker ") :].split("&")[0])
+    assert _tls_files(worker) == _role_files("$TLS_DIR", "worker")
+    fit = shlex.split(flat[flat.rindex("rh-dask fit --") :].split("$FIT_ARGS")[0])
+    assert fit[fit.index("--tls-dir") + 1] == "$TLS_DIR"
+
+
+def test_local_script_refuses_a_public_host_without_tls(tmp_path):
+    script = str(DEPLOY / "local" / "start-cluster.sh")
+    result = subprocess.run(
+        [script, "--host", "0.0.0.0"], capture_output=True, text=True, env=_env(), timeout=30
+    )
+    assert result.returncode == 2
+    assert "add --tls-dir DIR" in result.stderr
+
+
+@pytest.mark.slow
+def test_local_script_with_tls_dir_speaks_only_mutual_tls(tmp_path):
+    pytest.importorskip("cryptography")
+    from distributed import Client
+
+    from rh_dask.app.security import client_security
+
+    port = _free_port()
+    certs = tmp_path / "certs"
+    script = [str(DEPLOY / "local" / "start-cluster.sh"), "--port", str(port)]
+    script += ["--tls-dir", str(certs), "--gpu-slots-on-cpu", "1"]
+    process = subprocess.Popen(
+        script,
+        cwd=tmp_path,
+        env=_env(),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    address = f"tls://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 60
+        while not (certs / "client-key.pem").exists() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        security = client_security(address, tls_dir=str(certs))
+        with Client(address, security=security, timeout=60) as client:
+            client.wait_for_workers(1, timeout=60)
+            workers = client.scheduler_info(n_workers=-1)["workers"]
+            assert all(a.startswith("tls://127.0.0.1:") for a in workers)
+            assert client.submit(sum, [1, 2]).result() == 3
+        result = _rh_dask("attach", "none", "--scheduler", f"tcp://127.0.0.1:{port}", cwd=tmp_path)
+        assert result.returncode == EXIT_CLUSTER, result.stderr
+        assert "refuses plain tcp://" in result.stderr
+    finally:
+        _stop(process)

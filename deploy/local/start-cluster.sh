@@ -6,6 +6,12 @@
 #   deploy/local/start-cluster.sh                      # all GPUs, no CPU workers
 #   deploy/local/start-cluster.sh --cpu-workers 2      # plus 2 CPU loader workers
 #   rh-dask fit --scheduler tcp://127.0.0.1:8786 ...   # from another shell
+#   deploy/local/start-cluster.sh --host 0.0.0.0 --tls-dir certs   # other machines: TLS
+#
+# Listening beyond 127.0.0.1 needs --tls-dir DIR: mutual TLS with the
+# credentials of `rh-dask certs DIR` (made there when DIR has none), and
+# plain connections refused. The dashboard stays on 127.0.0.1 unless its
+# address names another host.
 #
 # --gpu-slots-on-cpu N starts N plain `dask worker --resources GPU=1` instead of
 # dask-cuda workers: a rehearsal of the placement on a machine without a GPU
@@ -21,15 +27,20 @@ GPU_THREADS=""        # threads per GPU worker (they load chunks); default: dask
 GPU_SLOTS_ON_CPU=0
 SCHEDULER_FILE=""
 LOCAL_DIR="${TMPDIR:-/tmp}"
+TLS_DIR=""
 
 usage() {
-    sed -n '2,13p' "$0" | sed 's/^# \{0,1\}//'
+    sed -n '2,18p' "$0" | sed 's/^# \{0,1\}//'
     cat <<USAGE
 
 options:
-  --host HOST              address to listen on (default: $HOST; 0.0.0.0 for other machines)
+  --host HOST              address to listen on (default: $HOST; 0.0.0.0 for other
+                           machines, which needs --tls-dir)
+  --tls-dir DIR            mutual TLS with the credentials in DIR (rh-dask certs DIR,
+                           run here when DIR has none); plain TCP is refused
   --port PORT              scheduler port (default: $PORT)
-  --dashboard ADDRESS      scheduler dashboard, e.g. :8787 (default: none)
+  --dashboard ADDRESS      scheduler dashboard, e.g. :8787 (on 127.0.0.1 unless ADDRESS
+                           names a host, e.g. 0.0.0.0:8787; default: none)
   --cpu-workers N          CPU loader worker processes (default: $CPU_WORKERS)
   --cpu-threads N          threads per CPU worker (default: $CPU_THREADS)
   --gpu-threads N          threads per GPU worker (default: dask-cuda's)
@@ -50,12 +61,39 @@ while [[ $# -gt 0 ]]; do
         --gpu-slots-on-cpu) GPU_SLOTS_ON_CPU="$2"; shift 2 ;;
         --scheduler-file) SCHEDULER_FILE="$2"; shift 2 ;;
         --local-directory) LOCAL_DIR="$2"; shift 2 ;;
+        --tls-dir) TLS_DIR="$2"; shift 2 ;;
         -h|--help) usage; exit 0 ;;
         *) echo "start-cluster.sh: unknown option $1 (--help lists them)" >&2; exit 2 ;;
     esac
 done
 
-ADDRESS="tcp://$HOST:$PORT"
+case "$HOST" in
+    127.0.0.1|localhost|::1) ;;
+    *) if [[ -z "$TLS_DIR" ]]; then
+           echo "start-cluster.sh: --host $HOST listens beyond this machine: add --tls-dir DIR" \
+               "(mutual TLS; rh-dask certs DIR makes the credentials)" >&2
+           exit 2
+       fi ;;
+esac
+# A dashboard address without a host would listen on every interface.
+[[ "$DASHBOARD" == :* ]] && DASHBOARD="127.0.0.1$DASHBOARD"
+
+PROTOCOL=tcp
+scheduler_tls=()
+worker_tls=()
+connect_tls=""
+if [[ -n "$TLS_DIR" ]]; then
+    rh-dask certs "$TLS_DIR" --keep --host "$(hostname)" >/dev/null
+    PROTOCOL=tls
+    scheduler_tls=(--protocol tls --tls-ca-file "$TLS_DIR/ca.pem"
+                   --tls-cert "$TLS_DIR/scheduler.pem" --tls-key "$TLS_DIR/scheduler-key.pem")
+    worker_tls=(--tls-ca-file "$TLS_DIR/ca.pem"
+                --tls-cert "$TLS_DIR/worker.pem" --tls-key "$TLS_DIR/worker-key.pem")
+    connect_tls=" --tls-dir $TLS_DIR"
+    # Scheduler and workers refuse any connection that is not TLS.
+    export DASK_DISTRIBUTED__COMM__REQUIRE_ENCRYPTION=True
+fi
+ADDRESS="$PROTOCOL://$HOST:$PORT"
 PIDS=()
 stop() {
     trap - EXIT INT TERM
@@ -69,11 +107,12 @@ trap stop EXIT
 trap 'exit 130' INT
 trap 'exit 143' TERM
 
-scheduler_args=(--host "$HOST" --port "$PORT")
+scheduler_args=(--host "$HOST" --port "$PORT" "${scheduler_tls[@]}")
 if [[ -n "$DASHBOARD" ]]; then
     scheduler_args+=(--dashboard-address "$DASHBOARD")
 else
-    scheduler_args+=(--no-dashboard)
+    # Its HTTP server (health, metrics) still starts: on 127.0.0.1, a free port.
+    scheduler_args+=(--no-dashboard --dashboard-address 127.0.0.1:0)
 fi
 [[ -n "$SCHEDULER_FILE" ]] && scheduler_args+=(--scheduler-file "$SCHEDULER_FILE")
 dask scheduler "${scheduler_args[@]}" &
@@ -93,7 +132,7 @@ while time.monotonic() < deadline:
 sys.exit("start-cluster.sh: the scheduler did not start listening within 60 s")
 PY
 
-worker_common=(--host "$HOST" --no-dashboard --local-directory "$LOCAL_DIR")
+worker_common=(--host "$HOST" --no-dashboard --local-directory "$LOCAL_DIR" "${worker_tls[@]}")
 if [[ "$GPU_SLOTS_ON_CPU" -gt 0 ]]; then
     for ((i = 0; i < GPU_SLOTS_ON_CPU; i++)); do
         dask worker "$ADDRESS" "${worker_common[@]}" --name "gpu-slot-$i" \
@@ -115,7 +154,7 @@ if [[ "$CPU_WORKERS" -gt 0 ]]; then
 fi
 
 echo "rh-dask cluster: scheduler at $ADDRESS (Ctrl-C stops it)"
-echo "  connect: rh-dask fit --scheduler $ADDRESS ...   or   Client(\"$ADDRESS\")"
+echo "  connect: rh-dask fit --scheduler $ADDRESS$connect_tls ...   or   Client(\"$ADDRESS\")"
 # Stop everything as soon as any process dies, rather than run half a cluster.
 wait -n
 echo "start-cluster.sh: a cluster process exited; stopping the rest" >&2

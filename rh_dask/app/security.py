@@ -45,6 +45,7 @@ __all__ = [
     "Credentials",
     "check_credentials",
     "client_security",
+    "cluster_security",
     "credentials_in",
     "security_for",
     "write_credentials",
@@ -381,6 +382,24 @@ def security_for(credentials: Credentials, **options: Any) -> Any:
         files[f"tls_{role}_cert"] = credentials.cert
         files[f"tls_{role}_key"] = credentials.key
     return Security(require_encryption=True, **{**files, **options})
+
+
+def cluster_security(directory: str | os.PathLike[str]) -> Any:
+    """A ``Security`` for a cluster started in this process, each role with its own files.
+
+    For ``LocalCluster(protocol="tls://", security=cluster_security(DIR))``:
+    the scheduler, the workers and this process's client use their
+    certificates from ``DIR`` (:func:`write_credentials`), encryption required.
+    """
+    from distributed.security import Security
+
+    files: dict[str, Any] = {"tls_ca_file": str(Path(directory) / CA_FILE)}
+    for role in ROLES:
+        credentials = credentials_in(directory, role)
+        check_credentials(credentials)
+        files[f"tls_{role}_cert"] = credentials.cert
+        files[f"tls_{role}_key"] = credentials.key
+    return Security(require_encryption=True, **files)
 
 
 def scheduler_address(scheduler: str | None, scheduler_file: str | None) -> str | None:
