@@ -6,13 +6,15 @@ import pickle
 import threading
 import time
 
+import dask
 import dask.array as da
 import numpy as np
 import pandas as pd
 import pytest
+from dask.sizeof import sizeof
 
 from rh_dask import HuberConfig, NumpyEngine, RenewableHuberRegressor
-from rh_dask.distributed.chunks import ChunkGraph, align_stream
+from rh_dask.distributed.chunks import SMALL_LITERAL_BYTES, ChunkGraph, align_stream
 from rh_dask.distributed.consumer import OrderedConsumer
 from rh_dask.distributed.items import BadChunk, EmptyChunk, LoadedChunk
 from rh_dask.distributed.loading import assemble_chunk
@@ -464,3 +466,44 @@ def test_an_interrupt_inside_a_deferred_block_is_raised_once_the_block_is_done()
         assert done == ["second step", "again"]
     finally:
         signal.signal(signal.SIGINT, previous)
+
+
+class _Rows:
+    """An array-like over rows, as da.from_array wraps a file reader (a small literal)."""
+
+    def __init__(self, n: int, d: int) -> None:
+        self.shape, self.dtype, self.ndim = (n, d), np.dtype("float64"), 2
+
+    def __getitem__(self, index):
+        rows, cols = index
+        return np.arange(self.shape[0] * self.shape[1], dtype="float64").reshape(self.shape)[
+            rows, cols
+        ]
+
+
+class _BigRows(_Rows):
+    """The same reader, reporting the size of a large in-memory buffer it would hold."""
+
+    def __sizeof__(self) -> int:
+        return 10 * SMALL_LITERAL_BYTES
+
+
+@pytest.mark.parametrize("inline", [False, True])
+def test_a_small_literal_is_copied_into_every_chunk_and_a_large_one_is_held(inline):
+    # A small literal (a reader object) is copied into each chunk: no chunk then
+    # depends on a key one worker holds, which would pin every load to it.
+    small = da.from_array(_Rows(40, 3), chunks=(10, 3), inline_array=inline)
+    stream = align_stream(small, small[:, 0], None)
+    graph = ChunkGraph(stream, assemble_chunk, lambda i: stream.spec(i, "float64", False))
+    assert all(graph.shared_needed(i) == [] for i in range(graph.n_chunks))
+    assert all(graph.shared_owned(i) == [] for i in range(graph.n_chunks))
+    # A literal beyond SMALL_LITERAL_BYTES is held once, never copied per chunk.
+    big = _BigRows(40, 3)
+    assert sizeof(big) > SMALL_LITERAL_BYTES
+    Xb = da.from_array(big, chunks=(10, 3))
+    stream = align_stream(Xb, Xb[:, 0], None)
+    graph = ChunkGraph(stream, assemble_chunk, lambda i: stream.spec(i, "float64", False))
+    assert graph.shared_owned(0) and all(graph.shared_needed(i) for i in range(1, graph.n_chunks))
+    with dask.config.set(scheduler="sync"):
+        model = RenewableHuberRegressor(progress=False).fit(small, small[:, 0] * 0.5 + 1)
+    assert model.n_samples_seen_ == 40

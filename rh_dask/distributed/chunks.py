@@ -33,6 +33,7 @@ import dask.array as da
 import dask.dataframe as dd
 import numpy as np
 from dask.base import is_dask_collection, tokenize
+from dask.sizeof import sizeof
 
 from ..exceptions import ValidationError
 from ..validation import feature_names_of
@@ -265,6 +266,22 @@ def _chunk_keys(keys: Any, n: int) -> list[Key]:
     return out
 
 
+#: Literals of at most this many bytes (``dask.sizeof``) are copied into each
+#: chunk's tasks rather than held once and referenced (:meth:`ChunkGraph._split`).
+#: Not a setting: a copy this small costs nothing beside a chunk's data, and a
+#: larger literal (an in-memory array) must not be copied per chunk.
+SMALL_LITERAL_BYTES = 64 * 1024
+
+
+def _small_literal(node: Any) -> bool:
+    if not isinstance(node, DataNode):
+        return False
+    try:
+        return sizeof(node.value) <= SMALL_LITERAL_BYTES
+    except Exception:  # an object sizeof cannot measure: keep it referenced
+        return False
+
+
 @dataclass
 class ChunkGraph:
     """The stream's graph with one item task per chunk, split by owner.
@@ -365,6 +382,7 @@ class ChunkGraph:
            (a raw chunk feeding a global mean) is *covered*: holding it would
            keep the whole dataset alive, so the later chunk recomputes it
            instead. Literals (data embedded in the graph) are never recomputed;
+           small ones are copied into every chunk that uses them;
         C. walk each chunk again, referencing earlier keys that may be held
            (uncovered shared keys, literals) and recomputing the rest. A key
            referenced by a later chunk is held from the chunk that computes it
@@ -394,9 +412,15 @@ class ChunkGraph:
                 if key not in covered:
                     covered.add(key)
                     stack.extend(self._deps(key))
-        referable = {k for k, node in self.graph.items() if isinstance(node, DataNode)} | (
-            shared - covered
-        )
+        # A small literal (a file handle, an array's metadata: da.from_array's
+        # "original-array") is copied into every chunk that uses it. Held once
+        # and referenced instead, it would be a dependency of every chunk, and
+        # the scheduler places a task where its dependencies are: every chunk
+        # would load on the one or two workers holding it (measured: 2 of 8
+        # loading workers busy, benchmarks/scale_out.py on the H200).
+        small = {k for k, node in self.graph.items() if _small_literal(node)}
+        literals = {k for k, node in self.graph.items() if isinstance(node, DataNode)}
+        referable = (literals | (shared - covered)) - small
 
         made_by: dict[Key, int] = {}
         self._owned: list[list[Key]] = []
