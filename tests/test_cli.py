@@ -783,8 +783,12 @@ def test_ctrl_c_on_the_default_local_cluster_is_one_line_and_prompt(tmp_path):
     ]
     for reader in readers:
         reader.start()
+    started = time.monotonic()
     try:
         first = out.get(timeout=120)
+        # How long this machine took to start the cluster: under load (CI runs
+        # other work beside) everything, shutting down included, is slower.
+        startup = time.monotonic() - started
         assert first is not None and first.startswith("cluster: local at"), first
         time.sleep(1.5)  # the fit is under way
         os.killpg(process.pid, signal.SIGINT)
@@ -801,7 +805,9 @@ def test_ctrl_c_on_the_default_local_cluster_is_one_line_and_prompt(tmp_path):
             "to resume)"
         ], stderr
         assert "fitted" not in stdout and not model.exists()  # interrupted mid-fit
-        assert elapsed < 10, elapsed
+        # Prompt: the command does not wait for the fit (or a hung worker); the
+        # bound grows with how slow this machine is right now.
+        assert elapsed < 10 + 2 * startup, (elapsed, startup)
         # The worker processes are gone too (none left in the process group).
         deadline = time.monotonic() + 10
         while True:
