@@ -1,11 +1,13 @@
-"""What accumulating the score variance K costs each engine per batch.
+"""What accumulating the score variance K (and the GPU's robust diagnostics) cost per batch.
 
 For each engine (``numpy``, ``gpu`` where CuPy sees a device) and shape, one
 engine with K on and one with K off (the GPU engine's ``score_variance=``;
 the NumPy engine always accumulates, so its "off" column is a state imported
 without K, which skips the Gram) fit the same batches; the per-batch time is
 the median over ``--repeats`` passes over the stream, K-on and K-off passes
-alternating. Device input (CuPy arrays) for the GPU engine, so the numbers
+alternating. For the GPU engine a third pass computes the robust
+diagnostics alone (``diagnostics=True``, K off; the other two have them
+off). Device input (CuPy arrays) for the GPU engine, so the numbers
 are the solve's own.
 
     python benchmarks/score_variance_cost.py --engines gpu,numpy \\
@@ -29,16 +31,18 @@ SCHEMA = "rh-dask/bench/score-variance-cost/1"
 SHAPES = {"reference": (100_000, 90), "streaming": (1_000_000, 32), "wide": (16_384, 256)}
 
 
-def _engine(name: str, config: HuberConfig, k_on: bool) -> Any:
+def _engine(name: str, config: HuberConfig, k_on: bool, diagnostics: bool) -> Any:
     if name == "gpu":
         from gpu_engine import GpuEngine
 
-        return GpuEngine(config, score_variance=k_on)
+        return GpuEngine(config, score_variance=k_on, diagnostics=diagnostics)
     return NumpyEngine(config)
 
 
-def _pass(name: str, config: HuberConfig, batches: list, k_on: bool, sync: Any) -> float:
-    engine = _engine(name, config, k_on)
+def _pass(
+    name: str, config: HuberConfig, batches: list, k_on: bool, sync: Any, diagnostics: bool
+) -> float:
+    engine = _engine(name, config, k_on, diagnostics)
     engine.partial_fit(*batches[0])
     if name == "numpy" and not k_on:
         state = engine.export_state()
@@ -87,11 +91,20 @@ def main(argv: list[str] | None = None) -> int:
 
                 batches = [(cp.asarray(a), cp.asarray(b)) for a, b in batches]
                 sync = cp.cuda.Device().synchronize
-            runs: dict[str, list[float]] = {"on": [], "off": []}
+            # K on / off with the robust diagnostics off, and (GPU) the diagnostics alone.
+            modes = {"on": (True, False), "off": (False, False)}
+            if name == "gpu":
+                modes["diagnostics"] = (False, True)
+            runs: dict[str, list[float]] = {key: [] for key in modes}
             for r in range(args.repeats):
-                for key in ("on", "off") if r % 2 == 0 else ("off", "on"):
-                    runs[key].append(_pass(name, config, batches, key == "on", sync))
+                order = list(modes) if r % 2 == 0 else list(reversed(modes))
+                for key in order:
+                    k_on, diag = modes[key]
+                    runs[key].append(_pass(name, config, batches, k_on, sync, diag))
             on, off = statistics.median(runs["on"]), statistics.median(runs["off"])
+            diag_ms = (
+                statistics.median(runs["diagnostics"]) * 1e3 if "diagnostics" in runs else None
+            )
             results.append(
                 {
                     "engine": name,
@@ -102,10 +115,15 @@ def main(argv: list[str] | None = None) -> int:
                     "ms_per_batch_k_on": on * 1e3,
                     "ms_per_batch_k_off": off * 1e3,
                     "ratio": on / off,
+                    "ms_per_batch_diagnostics_only": diag_ms,
                     "runs_ms": {k: [x * 1e3 for x in v] for k, v in runs.items()},
                 }
             )
-            print(f"{name} {shape}: K on {on * 1e3:.3f} ms, off {off * 1e3:.3f} ms", flush=True)
+            print(
+                f"{name} {shape}: K on {on * 1e3:.3f} ms, off {off * 1e3:.3f} ms, "
+                f"diagnostics only {diag_ms} ms",
+                flush=True,
+            )
     payload = {
         "schema": SCHEMA,
         "environment": environment(),

@@ -19,6 +19,7 @@ from rh_dask.exceptions import ValidationError
 from rh_dask.state import BatchDiagnostics
 
 from . import layout
+from .diagnostics import add_score_gram, residuals, robust_diagnostics
 from .inputs import raise_if_invalid
 from .lamm import LammDriver
 from .launch import Launch
@@ -26,21 +27,6 @@ from .newton import NewtonDriver
 from .parts import DeviceParts
 from .state import Counters
 from .transfer import StagedBatch
-
-
-def add_score_gram(ws: Any, n: int, p: int, tau: float) -> None:
-    """K += Zᵀ diag(w ⊙ ψ(r)²) Z at the committed β, on the current stream.
-
-    r = y − Zβ is recomputed from the workspace (the solvers keep residuals
-    only for their own steps), ψ(r) = clip(r, −τ, τ), and the Gram is one
-    GEMM of (√w ⊙ |ψ|) ⊙ Z with itself, like the NumPy engine's SYRK.
-    """
-    Z = ws.Z[: n * ws.ldz].reshape(n, ws.ldz)[:, :p]
-    r = ws.y[:n] - Z @ ws.beta
-    s = abs(r.clip(-tau, tau))
-    s *= ws.w[:n] ** 0.5
-    scaled = Z * s[:, None]
-    ws.K += scaled.T @ scaled
 
 
 class BatchRunner:
@@ -52,6 +38,11 @@ class BatchRunner:
         The engine's device-side collaborators.
     newton, lamm : NewtonDriver, LammDriver
         The solvers.
+    cp : module
+        CuPy (for the diagnostics).
+    diagnostics : bool
+        Report each batch's robust diagnostics (mean Huber loss, share beyond
+        τ, 1.4826 × MAD; :mod:`.diagnostics`).
     """
 
     def __init__(
@@ -59,10 +50,14 @@ class BatchRunner:
         parts: DeviceParts,
         newton: NewtonDriver,
         lamm: LammDriver,
+        cp: Any = None,
+        diagnostics: bool = False,
     ) -> None:
         self._parts = parts
+        self._cp = cp
         self._newton = newton
         self._lamm = lamm
+        self._diagnostics = diagnostics
 
     def run(
         self,
@@ -154,15 +149,26 @@ class BatchRunner:
         raise_if_invalid(ws.status_i)
         if not ws.status_i[layout.I_COMMITTED]:  # pragma: no cover - a kernel bug
             raise RuntimeError("the GPU engine stopped without committing the batch")
-        if accumulate_k:
+        robust: tuple[float | None, ...] = (None, None, None)
+        if accumulate_k or self._diagnostics:
             with stream:
-                add_score_gram(ws, n, p, cfg.tau)
+                Z, r = residuals(ws, n, p)
+                if accumulate_k:
+                    add_score_gram(ws, Z, r, n, cfg.tau)
+                if self._diagnostics:
+                    weights = None if w is None else ws.w[:n]
+                    robust = robust_diagnostics(
+                        self._cp, r, weights, cfg.tau, schedule.total_weight
+                    )
         diagnostics = BatchDiagnostics(
             iterations=int(ws.status_i[layout.I_ITER]),
             converged=bool(ws.status_i[layout.I_CONV]),
             objective=float(ws.status_d[layout.S_OBJ]),
             lambda_value=float(schedule.lambda_value),
             bandwidth=float(schedule.bandwidth),
+            mean_loss=robust[0],
+            outlier_share=robust[1],
+            residual_scale=robust[2],
         )
         after = Counters(
             n_features_in=d,

@@ -95,11 +95,18 @@ class GpuEngine:
         meat, :attr:`rh_dask.HuberState.score_variance`) at each committed
         batch, for standard errors: one more pass over the batch and one
         p×p GEMM per batch. ``False``: the exported state has K = ``None``.
+    diagnostics : bool, default=True
+        Report each batch's robust diagnostics in its
+        :class:`~rh_dask.state.BatchDiagnostics` (``mean_loss``,
+        ``outlier_share``, ``residual_scale``: :mod:`rh_dask.residuals`),
+        computed on the device at the committed β (two sorts of the batch's
+        residuals and one small copy to the host). ``False``: they are ``None``.
 
     Raises
     ------
     ValidationError
-        When ``graphs``, ``hold_gil`` or ``score_variance`` is not a bool, or ``cholesky`` is
+        When ``graphs``, ``hold_gil``, ``score_variance`` or ``diagnostics`` is not a bool,
+        or ``cholesky`` is
         not one of its choices.
     EngineUnavailableError
         When CuPy, a CUDA driver or the requested device is missing.
@@ -124,9 +131,11 @@ class GpuEngine:
         copy_threads: int = 4,
         cholesky: str = "auto",
         score_variance: bool = True,
+        diagnostics: bool = True,
     ) -> None:
         graphs = _check_flag("graphs", graphs)
         self._score_variance = _check_flag("score_variance", score_variance)
+        self._diagnostics = _check_flag("diagnostics", diagnostics)
         hold_gil = _check_flag("hold_gil", hold_gil)
         if cholesky not in CHOLESKY_MODES:
             raise ValidationError(
@@ -164,7 +173,7 @@ class GpuEngine:
         )
         self._newton = NewtonDriver(parts, cholesky)
         self._lamm = LammDriver(parts)
-        self._batches = BatchRunner(parts, self._newton, self._lamm)
+        self._batches = BatchRunner(parts, self._newton, self._lamm, cp, self._diagnostics)
         self._closed = False
         self._pinned_pool: PinnedPool | None = None
 

@@ -235,6 +235,9 @@ class Settings:
     gpu_score_variance : bool
         ``rh-dask.gpu.score-variance``: the GPU engine accumulates the score
         variance K (standard errors, ``cov_``) at every batch.
+    gpu_diagnostics : bool
+        ``rh-dask.gpu.diagnostics``: the GPU engine reports each batch's robust
+        diagnostics (mean Huber loss, share beyond τ, residual scale).
     checkpoint_every_chunks : int
         ``rh-dask.checkpoint.every-chunks``: during a Dask walk, the stream's
         state is copied off the engine's worker after every this many chunks.
@@ -297,6 +300,7 @@ class Settings:
     gpu_graphs: bool = True
     gpu_hold_gil: bool = True
     gpu_score_variance: bool = True
+    gpu_diagnostics: bool = True
     checkpoint_every_chunks: int = 16
     checkpoint_every_seconds: float = 60.0
     max_retries: int = 3
@@ -332,6 +336,7 @@ class Settings:
                 "graphs": self.gpu_graphs,
                 "hold_gil": self.gpu_hold_gil,
                 "score_variance": self.gpu_score_variance,
+                "diagnostics": self.gpu_diagnostics,
             }
         return {}
 
@@ -353,6 +358,7 @@ _KEYS: dict[str, tuple[str, Callable[[str, Any], Any]]] = {
     "gpu_graphs": ("rh-dask.gpu.graphs", _flag),
     "gpu_hold_gil": ("rh-dask.gpu.hold-gil", _flag),
     "gpu_score_variance": ("rh-dask.gpu.score-variance", _flag),
+    "gpu_diagnostics": ("rh-dask.gpu.diagnostics", _flag),
     "checkpoint_every_chunks": ("rh-dask.checkpoint.every-chunks", _count),
     "checkpoint_every_seconds": (
         "rh-dask.checkpoint.every-seconds",

@@ -929,3 +929,32 @@ def test_gpu_fit_gives_standard_errors_like_the_numpy_engine():
     np.testing.assert_allclose(gpu.bse_, cpu.bse_, rtol=1e-7)
     table = gpu.summary().table
     assert list(table.index)[-1] == "intercept" and np.isfinite(table.values).all()
+
+
+# -- robust per-batch diagnostics ------------------------------------------------------------
+
+
+@pytest.mark.parametrize("weighted", [False, True])
+@pytest.mark.parametrize("dtype", ["float64", "float32"])
+def test_robust_diagnostics_match_the_reference(dtype, weighted):
+    batches = _stream(8, [5000, 5000, 3001], dtype, seed=13)
+    rng = np.random.default_rng(4)
+    config = HuberConfig(dtype=dtype)
+    ref, gpu = NumpyEngine(config), GpuEngine(config)
+    # The engines' β differ within the contract's tolerance, and r with them.
+    rtol = 1e-6 if dtype == "float64" else 5e-3
+    for X, y in batches:
+        w = None
+        if weighted:
+            w = rng.integers(0, 4, len(y)).astype(dtype)  # zero weights take no part
+            w[0] = 1
+        d_ref, d_gpu = ref.partial_fit(X, y, w), gpu.partial_fit(X, y, w)
+        assert d_gpu.mean_loss == pytest.approx(d_ref.mean_loss, rel=rtol)
+        # Rows within rounding of |r| = τ may fall either side: a row or two.
+        assert abs(d_gpu.outlier_share - d_ref.outlier_share) <= 2.0 / len(y)
+        assert d_gpu.residual_scale == pytest.approx(d_ref.residual_scale, rel=rtol)
+    gpu.close()
+    off = GpuEngine(config, diagnostics=False)
+    d = off.partial_fit(*batches[0])
+    assert d.mean_loss is None and d.outlier_share is None and d.residual_scale is None
+    off.close()

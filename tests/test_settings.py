@@ -63,6 +63,7 @@ def test_values_are_read_from_dask_config_and_text_is_parsed():
             "rh-dask.gpu.graphs": False,
             "rh-dask.gpu.hold-gil": "0",
             "rh-dask.gpu.score-variance": "no",
+            "rh-dask.gpu.diagnostics": "off",
             "rh-dask.cli.in-process-max-rows": "1_000",
         }
     ):
@@ -77,11 +78,13 @@ def test_values_are_read_from_dask_config_and_text_is_parsed():
         gpu_graphs=False,
         gpu_hold_gil=False,
         gpu_score_variance=False,
+        gpu_diagnostics=False,
     )
     assert settings.engine_options("gpu") == {
         "graphs": False,
         "hold_gil": False,
         "score_variance": False,
+        "diagnostics": False,
     }
     assert settings.engine_options("numpy") == {}
     with pytest.raises(dataclasses.FrozenInstanceError):
@@ -104,6 +107,7 @@ def test_values_are_read_from_dask_config_and_text_is_parsed():
         ("gpu_graphs", None, "true or false"),
         ("gpu_hold_gil", "", "true or false"),
         ("gpu_score_variance", "x", "true or false"),
+        ("gpu_diagnostics", "x", "true or false"),
         ("in_process_max_rows", -1, "a whole number >= 0"),
     ],
 )
@@ -145,9 +149,18 @@ def test_environment_variables_set_the_settings_on_import():
 class _GpuEngine:
     """Stands in for ``gpu_engine.GpuEngine`` (its constructor's signature)."""
 
-    def __init__(self, config, device=None, *, graphs=True, hold_gil=True, score_variance=True):
+    def __init__(
+        self,
+        config,
+        device=None,
+        *,
+        graphs=True,
+        hold_gil=True,
+        score_variance=True,
+        diagnostics=True,
+    ):
         self.config, self.device, self.graphs, self.hold_gil = config, device, graphs, hold_gil
-        self.score_variance = score_variance
+        self.score_variance, self.diagnostics = score_variance, diagnostics
 
 
 def test_make_engine_passes_the_gpu_settings_to_the_constructor(monkeypatch):
@@ -155,18 +168,20 @@ def test_make_engine_passes_the_gpu_settings_to_the_constructor(monkeypatch):
 
     from gpu_engine.engine import GpuEngine
 
-    keywords = ("graphs", "hold_gil", "score_variance")
+    keywords = ("graphs", "hold_gil", "score_variance", "diagnostics")
     real = inspect.signature(GpuEngine).parameters
     stand_in = inspect.signature(_GpuEngine).parameters
     assert all(real[k].default == stand_in[k].default is True for k in keywords)
     fake = types.ModuleType("gpu_engine")
     fake.GpuEngine = engine_class = _GpuEngine
     monkeypatch.setitem(sys.modules, "gpu_engine", fake)
-    explicit = Settings(gpu_graphs=False, gpu_hold_gil=False, gpu_score_variance=False)
+    explicit = Settings(
+        gpu_graphs=False, gpu_hold_gil=False, gpu_score_variance=False, gpu_diagnostics=False
+    )
     engine = make_engine("gpu", HuberConfig(), "cuda:0", settings=explicit)
     assert isinstance(engine, engine_class) and engine.device == "cuda:0"
     assert engine.graphs is False and engine.hold_gil is False
-    assert engine.score_variance is False
+    assert engine.score_variance is False and engine.diagnostics is False
     with dask.config.set({"rh-dask.gpu.graphs": False}):  # read here when not given
         engine = make_engine("gpu", HuberConfig())
     assert engine.graphs is False and engine.hold_gil is True

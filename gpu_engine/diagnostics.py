@@ -1,0 +1,83 @@
+"""What the GPU engine computes at a committed batch besides J: K and the robust diagnostics.
+
+Both need the batch's residuals at the committed β, which the solvers keep
+only for their own steps, so :func:`residuals` recomputes them from the
+workspace (one GEMV). Everything runs on the engine's stream in CuPy; the
+diagnostics end with one small device-to-host copy.
+
+The robust diagnostics are those of :mod:`rh_dask.residuals` and the NumPy
+engine, with the same conventions: the weighted share of rows with
+|r| > τ, 1.4826 × the weighted median absolute deviation from the weighted
+median (rows of zero weight take no part; the two middle values are
+averaged when the cumulative weight reaches exactly half), and the mean
+Huber loss Σ w ρ(r) / Σ w.
+"""
+
+from __future__ import annotations
+
+from types import ModuleType
+from typing import Any
+
+from rh_dask.residuals import MAD_CONSISTENCY
+
+__all__ = ["add_score_gram", "residuals", "robust_diagnostics"]
+
+
+def residuals(ws: Any, n: int, p: int) -> tuple[Any, Any]:
+    """The design's view (n × p) and r = y − Zβ at the committed β."""
+    Z = ws.Z[: n * ws.ldz].reshape(n, ws.ldz)[:, :p]
+    return Z, ws.y[:n] - Z @ ws.beta
+
+
+def add_score_gram(ws: Any, Z: Any, r: Any, n: int, tau: float) -> None:
+    """K += Zᵀ diag(w ⊙ ψ(r)²) Z, as one GEMM of (√w ⊙ |ψ|) ⊙ Z with itself."""
+    s = abs(r.clip(-tau, tau))
+    s *= ws.w[:n] ** 0.5
+    scaled = Z * s[:, None]
+    ws.K += scaled.T @ scaled
+
+
+def _sorted_weighted_median(cp: ModuleType, v: Any, w: Any) -> Any:
+    """Weighted median of ascending ``v`` with positive weights ``w`` (a 0-d device array)."""
+    cumulative = cp.cumsum(w, dtype=cp.float64)
+    half = 0.5 * cumulative[-1]
+    i = cp.searchsorted(cumulative, half, side="left")
+    i = cp.minimum(i, v.size - 1)
+    nxt = cp.minimum(i + 1, v.size - 1)
+    exact = (cumulative[i] == half) & (i + 1 < v.size)
+    lo = v[i].astype(cp.float64)
+    return cp.where(exact, 0.5 * (lo + v[nxt].astype(cp.float64)), lo)
+
+
+def _median(cp: ModuleType, v: Any, w: Any | None) -> Any:
+    if w is None:
+        return cp.median(v.astype(cp.float64))
+    order = cp.argsort(v)
+    return _sorted_weighted_median(cp, v[order], w[order])
+
+
+def robust_diagnostics(
+    cp: ModuleType, r: Any, w: Any | None, tau: float, total_weight: float
+) -> tuple[float, float, float]:
+    """Mean Huber loss, weighted share with |r| > τ and 1.4826 × weighted MAD of ``r``.
+
+    ``w``: the batch's weights, or ``None`` for an unweighted batch (every
+    row weighs 1). ``total_weight``: their sum (or the row count).
+    """
+    psi = r.clip(-tau, tau)
+    rho = psi * (r - 0.5 * psi)
+    beyond = abs(r) > tau
+    if w is None:
+        loss = cp.sum(rho, dtype=cp.float64)
+        share = cp.count_nonzero(beyond) / r.size
+        rows, weights = r, None
+    else:
+        loss = cp.sum(w * rho, dtype=cp.float64)
+        share = cp.sum(cp.where(beyond, w, 0), dtype=cp.float64) / total_weight
+        keep = w > 0
+        rows, weights = r[keep], w[keep]
+    centre = _median(cp, rows, weights).astype(rows.dtype)
+    deviation = abs(rows - centre)
+    scale = MAD_CONSISTENCY * _median(cp, deviation, weights)
+    values = cp.stack([loss / total_weight, cp.asarray(share, cp.float64), scale]).get()
+    return float(values[0]), float(values[1]), float(values[2])
