@@ -77,8 +77,11 @@ class RenewableHuberRegressor(RegressorMixin, BaseEstimator):
     engine : {"auto", "numpy", "gpu"}, default="auto"
         Computational engine. An explicit choice that cannot start raises
         :class:`~rh_dask.exceptions.EngineUnavailableError`; ``"auto"``
-        picks the NumPy engine unless ``device`` names a CUDA device (the
-        rule of :func:`rh_dask.engines.resolve_engine_name`).
+        decides once per stream, from its first batch, by
+        :func:`rh_dask.engines.auto.choose_engine` (a CUDA ``device`` or a
+        batch on the device: GPU; ``device="cpu"``: NumPy; otherwise a
+        measured calibration), in this process or, for a Dask collection on a
+        cluster, on the engine's worker; see ``engine_choice_``.
     device : str or int, default=None
         Device of the engine, e.g. ``"cuda:0"``.
     dtype : {"float64", "float32"}, default="float64"
@@ -453,7 +456,14 @@ class RenewableHuberRegressor(RegressorMixin, BaseEstimator):
             stream = self._new_stream(config, resolve_engine_name(self.engine, self.device))
         try:
             stream_fit(
-                stream, X, y, sample_weight, options, device=self.device, owner=type(self).__name__
+                stream,
+                X,
+                y,
+                sample_weight,
+                options,
+                device=self.device,
+                owner=type(self).__name__,
+                auto=self.engine == "auto",
             )
         finally:
             if stream.started:
@@ -494,7 +504,10 @@ class RenewableHuberRegressor(RegressorMixin, BaseEstimator):
             raise CheckpointError(
                 f"the stream checkpoint {store.path} was written with other parameters ({differ})"
             )
-        name = resolve_engine_name(self.engine, self.device)
+        # engine="auto" goes on with the engine the stream started with, never recalibrates.
+        name = (
+            ckpt.engine if self.engine == "auto" else resolve_engine_name(self.engine, self.device)
+        )
         walk = ckpt.walk
         resumed = Recovery(
             time=time.time(),

@@ -197,6 +197,16 @@ def _nothing() -> None:
     """The undo of a step that changed nothing."""
 
 
+def warn_fallback(choice: Any, stacklevel: int = 2) -> None:
+    """The :class:`RuntimeWarning` of a measured GPU choice that ran on NumPy (``fallback``)."""
+    warnings.warn(
+        f'engine="auto" chose the GPU engine ({choice.reason}), but it failed to start '
+        f"({choice.fallback}); this stream runs on the NumPy engine",
+        RuntimeWarning,
+        stacklevel=stacklevel,
+    )
+
+
 def _float64_copy(beta: Any) -> np.ndarray:
     """A float64 host copy of β: exact for float32 engines, and never a view of engine memory."""
     return np.array(beta, dtype=np.float64, copy=True)
@@ -427,16 +437,20 @@ class Stream:
         *,
         feature_names: np.ndarray | None = None,
         placement: dict[str, Any] | None = None,
+        choice: Any = None,
     ) -> None:
         """Take over the state a remote engine reached (see :mod:`rh_dask.distributed`).
 
         ``records`` are those of the batches that led there from this
         stream's state, in order; ``placement`` is where that engine ran. An
-        unstarted stream starts with ``state``'s width and ``feature_names``.
-        Without records nothing changes.
+        unstarted stream starts with ``state``'s width and ``feature_names``,
+        and, with ``choice`` (what ``engine="auto"`` chose where the engine
+        ran), on ``choice.engine``. Without records nothing changes.
         """
         if not records:
             return
+        if choice is not None and not self.started:
+            self.choose(choice)
         engine = self._engine
         if (
             engine is not None
@@ -453,6 +467,27 @@ class Stream:
             replace(r, coefficients=_float64_copy(r.coefficients)) for r in records
         )
         self._placement = None if placement is None else dict(placement)
+
+    def choose(self, choice: Any) -> None:
+        """Give an unstarted stream the engine ``engine="auto"`` chose for it.
+
+        ``choice`` is an :class:`~rh_dask.engines.auto.AutoChoice`; the
+        stream's first batch then starts ``choice.engine`` (a measured GPU
+        choice that cannot start falls back to NumPy, see
+        :func:`~rh_dask.engines.auto.start_chosen`).
+
+        Raises
+        ------
+        ValidationError
+            When the stream has started: its engine is fixed for its life.
+        """
+        if self.started:
+            raise ValidationError(
+                f"the stream runs on the {self._engine_name!r} engine since its first batch; "
+                "engine='auto' decides only for a stream's first batch"
+            )
+        self._engine_name = choice.engine
+        self.auto_choice = choice
 
     def count_empty(self, count: int) -> None:
         """Add ``count`` skipped zero-row chunks."""
@@ -512,15 +547,10 @@ class Stream:
             if choice is None or self._engine_name != "gpu" or not choice.measured:
                 raise
             why = f"{type(exc).__name__}: {exc}"
-        warnings.warn(
-            f'engine="auto" chose the GPU engine ({choice.reason}), but it failed to start '
-            f"({why}); this stream runs on the NumPy engine",
-            RuntimeWarning,
-            stacklevel=4,
-        )
+        self.auto_choice = replace(choice, engine="numpy", fallback=why)
+        warn_fallback(self.auto_choice, stacklevel=5)
         engine = make_engine("numpy", self._config, None)
         self._engine_name = "numpy"
-        self.auto_choice = replace(choice, engine="numpy", fallback=why)
         return engine
 
     def __getstate__(self) -> dict[str, Any]:

@@ -673,10 +673,17 @@ def test_gpu_engine_is_placed_on_the_gpu_worker(client, snapshot, assert_unchang
 def test_numpy_engine_prefers_a_cpu_worker_and_honours_an_address(client):
     X, y, _ = _data(n=1_000)
     Xd, yd = da.from_array(X, chunks=(500, 5)), da.from_array(y, 500)
-    model = RenewableHuberRegressor(progress=False).fit(Xd, yd)
+    model = RenewableHuberRegressor(engine="numpy", progress=False).fit(Xd, yd)
     assert model.placement_["worker"] != _gpu_worker(client)
-    model = RenewableHuberRegressor(worker=_gpu_worker(client), progress=False).fit(Xd, yd)
+    model = RenewableHuberRegressor(
+        engine="numpy", worker=_gpu_worker(client), progress=False
+    ).fit(Xd, yd)
     assert model.placement_["worker"] == _gpu_worker(client)
+    # engine="auto" goes to the GPU worker and decides there (no CuPy here: NumPy).
+    model = RenewableHuberRegressor(progress=False).fit(Xd, yd)
+    assert model.placement_["worker"] == _gpu_worker(client)
+    assert model.placement_["engine"] == "numpy" == model.engine_choice_.engine
+    assert "cannot start" in model.engine_choice_.reason
 
 
 def test_unknown_worker_address_is_a_clear_error(client):
@@ -696,6 +703,9 @@ def test_choose_worker_rules():
     assert choose_worker([gpu], "numpy", None) is gpu
     assert choose_worker([cpu, gpu, big], "gpu", None) is gpu
     assert choose_worker([cpu, gpu], "gpu", "g:1") is gpu
+    assert choose_worker([cpu, gpu, big], "auto", None) is gpu  # decides GPU or NumPy there
+    assert choose_worker([cpu, big], "auto", None) is big
+    assert choose_worker([cpu, gpu], "auto", "a:1") is cpu
     with pytest.raises(EngineUnavailableError, match="GPU"):
         choose_worker([cpu, big], "gpu", None)
     with pytest.raises(EngineUnavailableError, match="no workers"):

@@ -469,6 +469,23 @@ def _batches(n=600, d=3, parts=3):
     return list(zip(np.array_split(X, parts), np.array_split(y, parts), strict=True))
 
 
+def no_gpu_engine(monkeypatch) -> None:
+    """Make every GPU engine fail to start, as on a host whose CUDA driver cannot run it."""
+    import rh_dask.distributed.actor
+    import rh_dask.engines
+    import rh_dask.stream
+
+    real = rh_dask.engines.make_engine
+
+    def no_gpu(name, config, device=None, **kwargs):
+        if name == "gpu":
+            raise EngineUnavailableError("engine='gpu' needs CuPy and a CUDA GPU: scripted")
+        return real(name, config, device, **kwargs)
+
+    for module in (rh_dask.engines, rh_dask.stream, rh_dask.distributed.actor):
+        monkeypatch.setattr(module, "make_engine", no_gpu)
+
+
 def _has_gpu() -> bool:
     try:
         import cupy  # noqa: F401
@@ -497,15 +514,7 @@ def test_a_measured_gpu_choice_that_fails_to_start_falls_back_to_numpy(fresh_cac
     host = Host(linear(1e-5, 1e-9), linear(0.0, 1e-11))
     monkeypatch.setattr(fresh_cache, "_factory", host.factory)
 
-    def no_gpu(name, config, device=None, **kwargs):
-        if name == "gpu":
-            raise EngineUnavailableError("engine='gpu' needs CuPy and a CUDA GPU: scripted")
-        return real(name, config, device, **kwargs)
-
-    import rh_dask.stream
-
-    real = rh_dask.stream.make_engine
-    monkeypatch.setattr(rh_dask.stream, "make_engine", no_gpu)
+    no_gpu_engine(monkeypatch)
     batches = _batches()
     model = RenewableHuberRegressor()
     with pytest.warns(RuntimeWarning, match="chose the GPU engine.*runs on the NumPy engine"):

@@ -652,16 +652,15 @@ def _estimator(args: argparse.Namespace, engine: str) -> Any:
 
 
 def _engine_for(args: argparse.Namespace, session: Any) -> tuple[str, str | None]:
-    """The engine to ask for, and the one to fall back to when it cannot start."""
-    from ..engines import resolve_engine_name
+    """The engine to ask for, and the one to fall back to when it cannot start.
 
-    # --engine auto on a cluster follows its workers: the library's rule, told what they have.
-    # In this process the estimator applies the same rule itself and keeps the request.
-    if session.client is None:
-        return args.engine, None
-    engine = resolve_engine_name(args.engine, args.device, gpu_workers=session.has_gpu_workers())
-    # A GPU chosen for the cluster's GPU workers backs off to NumPy when it cannot start.
-    return engine, "numpy" if args.engine == "auto" and engine == "gpu" else None
+    ``--engine auto`` is the estimator's ``engine="auto"``, in this process
+    and on a cluster alike: on a cluster the engine's actor goes to a GPU
+    worker when there is one and decides there at the first chunk, a
+    measured GPU choice that cannot start falling back to NumPy itself. A
+    named engine never falls back.
+    """
+    return args.engine, None
 
 
 def _fit_and_save(

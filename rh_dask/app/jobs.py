@@ -255,6 +255,12 @@ def fit_table(
             start = time.perf_counter()
             model.fit(*table.fit_inputs(), **options)
     seconds = time.perf_counter() - start
+    choice = model.engine_choice_
+    if choice is not None and choice.fallback is not None:
+        notes.append(
+            f"engine 'auto' chose the GPU engine, which could not start ({choice.fallback}); "
+            "used 'numpy'"
+        )
     notes += recovery_notes(model, since=called)
     return FitOutcome(
         model=model,

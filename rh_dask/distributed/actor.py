@@ -18,6 +18,14 @@ copies its batch into page-locked memory before handing it over. The copy
 then runs on the loading threads, in parallel, and the engine's own thread
 only queues a DMA, instead of copying every batch through its staging
 buffers itself.
+
+With ``engine="auto"`` the actor builds its engine at the stream's first
+chunk, on the engine's thread: :func:`~rh_dask.engines.auto.choose_engine`
+decides from that chunk's shape, dtype and whether it is on a CUDA device,
+with the client's settings and under the stream's BLAS limit, and a GPU
+engine chosen by measurement that fails to start gives way to the NumPy
+engine (:func:`~rh_dask.engines.auto.start_chosen`). The choice travels
+back to the client in every :class:`~.consumer.Progress`.
 """
 
 from __future__ import annotations
@@ -32,9 +40,11 @@ import numpy as np
 from distributed import get_worker
 
 from ..config import HuberConfig
-from ..engines import make_engine
+from ..engines import Engine, make_engine
+from ..engines.auto import AutoChoice, choose_engine, start_chosen
 from ..settings import Settings
 from ..state import HuberState
+from ..validation import is_device_array
 from . import memory, shelf
 from .chunks import ChunkGraph
 from .consumer import OrderedConsumer, Progress
@@ -52,8 +62,11 @@ class EngineActor:
 
     Parameters
     ----------
-    engine : {"numpy", "gpu"}
-        Engine to build on the worker.
+    engine : {"numpy", "gpu", "auto"}
+        Engine to build on the worker; ``"auto"``: chosen here at the
+        stream's first chunk (see the module's description). An ``"auto"``
+        actor takes an engine parked by an earlier ``"auto"`` stream and keeps
+        it when its own choice names the same engine.
     config : HuberConfig
         The stream's configuration.
     device : str, int or None
@@ -84,27 +97,71 @@ class EngineActor:
     ) -> None:
         self.settings = Settings() if settings is None else settings
         self._restore_heap: Callable[[], None] | None = None
-        options = self.settings.engine_options(engine)
-        # Workers of one process (a threaded LocalCluster) each keep their own;
-        # an engine built with other options is never taken for this stream.
-        self._shelf_key = (
-            _worker_address(),
-            engine,
-            config,
-            device,
-            blas_threads,
-            tuple(sorted(options.items())),
-        )
+        self._config, self._device, self._blas_threads = config, device, blas_threads
+        self._pool: Any = None
+        self._shelf_key = self._key(engine)
         warm = shelf.take(self._shelf_key)
         self.reused = warm is not None
-        self._consumer = warm or OrderedConsumer(
-            lambda: make_engine(engine, config, device, settings=self.settings),
-            blas_threads=blas_threads,
-        )
-        self._pool = getattr(self._consumer.engine, "pinned_pool", None)
+        if engine == "auto":
+            self._consumer = warm or OrderedConsumer(
+                None, blas_threads=blas_threads, starter=self._start_auto
+            )
+            # This stream's settings decide, not those of the stream that parked it.
+            self._consumer.starter = self._start_auto
+        else:
+            self._consumer = warm or OrderedConsumer(
+                lambda: make_engine(engine, config, device, settings=self.settings),
+                blas_threads=blas_threads,
+            )
+            self._pool = getattr(self._consumer.engine, "pinned_pool", None)
         self._closed = False
         self._feeder: ChunkFeeder | None = None
         self._relay: tuple[ChunkRing, RelayReceiver] | None = None
+
+    def _key(self, engine: str) -> tuple[Any, ...]:
+        """The shelf key of this actor's engine when it is ``engine``."""
+        # An "auto" engine may be the GPU engine: built with the GPU's options.
+        options = self.settings.engine_options("gpu" if engine == "auto" else engine)
+        # Workers of one process (a threaded LocalCluster) each keep their own;
+        # an engine built with other options is never taken for this stream.
+        return (
+            _worker_address(),
+            engine,
+            self._config,
+            self._device,
+            self._blas_threads,
+            tuple(sorted(options.items())),
+        )
+
+    def _start_auto(self, first: LoadedChunk, current: Engine | None) -> tuple[Engine, AutoChoice]:
+        """``engine="auto"``: the engine chosen for the first chunk (on the engine thread).
+
+        ``current``, the engine of the consumer's last stream, is kept when
+        it is the one chosen; otherwise it is closed and the chosen one built.
+        """
+        rows, features = (int(n) for n in first.X.shape)
+        choice = choose_engine(
+            self._config,
+            rows,
+            features,
+            device=self._device,
+            device_input=is_device_array(first.X),
+            settings=self.settings,
+        )
+        if current is not None and current.name == choice.engine:
+            self._pool = getattr(current, "pinned_pool", None)
+            return current, choice
+        if current is not None and callable(getattr(current, "close", None)):
+            current.close()
+        engine, choice = start_chosen(choice, self._config, self._device, settings=self.settings)
+        if choice.fallback is not None:
+            logger.warning(
+                'engine="auto" chose the GPU engine, but it failed to start (%s); '
+                "this stream runs on the NumPy engine",
+                choice.fallback,
+            )
+        self._pool = getattr(engine, "pinned_pool", None)
+        return engine, choice
 
     def begin(
         self,

@@ -68,6 +68,10 @@ class Progress:
     checkpoint : StreamSnapshot or None
         The latest stream checkpoint, when it is newer than the one the
         caller said it has.
+    choice : object, optional
+        What the consumer's ``starter`` said about the engine it built at
+        the first chunk (an :class:`~rh_dask.engines.auto.AutoChoice` for
+        ``engine="auto"``); ``None`` for an engine built up front.
     """
 
     consumed: int
@@ -75,6 +79,7 @@ class Progress:
     n_empty: int
     failure: BadChunk | None
     checkpoint: StreamSnapshot | None = None
+    choice: Any = None
 
 
 #: BLAS threads of every engine call of a stream (actor and in-process walk alike).
@@ -106,19 +111,43 @@ class OrderedConsumer:
 
     Parameters
     ----------
-    factory : callable
-        Builds the engine; runs on the consumer's thread.
+    factory : callable or None
+        Builds the engine; runs on the consumer's thread. ``None`` with a
+        ``starter``: the engine is built at the stream's first batch.
     blas_threads : int or None
         BLAS thread count for engine calls (``None``: leave it as it is), see
         :data:`STREAM_BLAS_THREADS`.
+    starter : callable, optional
+        ``starter(first, engine) -> (engine, choice)``: the engine of a
+        stream that begins from the empty state, decided from its first
+        loaded chunk (``engine="auto"`` decides on its shape), on the
+        consumer's thread and under the BLAS limit of the engine calls.
+        ``engine`` is the one the last stream used (``None`` at first), to
+        keep when the decision is the same. ``choice`` is reported in
+        :attr:`Progress.choice`. When it raises, the stream stops at that
+        chunk with the error as the :class:`BadChunk`'s cause. The
+        :attr:`starter` attribute may be replaced between streams.
 
     Raises
     ------
     Exception
         Whatever ``factory`` raises (e.g. ``EngineUnavailableError``).
+    ValueError
+        When neither or both of ``factory`` and ``starter`` are given.
     """
 
-    def __init__(self, factory: Callable[[], Engine], blas_threads: int | None = None) -> None:
+    def __init__(
+        self,
+        factory: Callable[[], Engine] | None,
+        blas_threads: int | None = None,
+        *,
+        starter: Callable[[LoadedChunk, Engine | None], tuple[Engine, Any]] | None = None,
+    ) -> None:
+        if (factory is None) == (starter is None):
+            raise ValueError("OrderedConsumer needs exactly one of factory and starter")
+        self.starter = starter
+        self.choice: Any = None
+        self._decide = False  # the running stream's engine is decided at its first chunk
         self._cond = threading.Condition()
         self._commands: deque[tuple[Callable[[], Any], Future[Any]]] = deque()
         self._inbox: dict[int, ChunkItem] = {}
@@ -138,11 +167,13 @@ class OrderedConsumer:
         self._thread = threading.Thread(target=self._run, name="rh-dask-engine", daemon=True)
         self._thread.start()
         self._limit = self.call(lambda: blas_limiter(blas_threads))
-        try:
-            self.engine: Engine = self.call(factory)
-        except BaseException:
-            self.close()
-            raise
+        self.engine: Engine | None = None
+        if factory is not None:
+            try:
+                self.engine = self.call(factory)
+            except BaseException:
+                self.close()
+                raise
 
     # -- commands, run on the engine thread between chunks ----------------------------
     def call(self, fn: Callable[[], Any]) -> Any:
@@ -174,13 +205,22 @@ class OrderedConsumer:
         """
 
         def load() -> None:
-            if state is None:
+            if self.engine is None:
+                if state is not None:
+                    raise ValueError(
+                        "an engine decided at the first chunk starts from the empty state; "
+                        "a stream going on from a state names its engine"
+                    )
+            elif state is None:
                 self.engine.reset()
             else:
                 self.engine.import_state(state)
 
         self.call(load)
         with self._cond:
+            self._decide = self.starter is not None and state is None
+            if self._decide:
+                self.choice = None
             self._stream = stream_id
             self._inbox.clear()
             self._next = int(start)
@@ -208,7 +248,8 @@ class OrderedConsumer:
         self._wake_all()
 
         def final() -> tuple[HuberState | None, Progress]:
-            state = self.engine.export_state() if self.engine.batch_count else None
+            engine = self.engine
+            state = engine.export_state() if engine is not None and engine.batch_count else None
             return state, self.snapshot(n_records_seen)
 
         return self.call(final)
@@ -276,6 +317,7 @@ class OrderedConsumer:
                 n_empty=self._n_empty,
                 failure=self._failure,
                 checkpoint=checkpoint,
+                choice=self.choice,
             )
 
     def add_waiter(
@@ -336,7 +378,7 @@ class OrderedConsumer:
         """
         with self._cond:
             since = self._next - self._checkpoint_from
-            if since <= 0 or not self.engine.batch_count:
+            if since <= 0 or self.engine is None or not self.engine.batch_count:
                 return
             chunks_due = self._every_chunks and since >= self._every_chunks
             now = time.monotonic()
@@ -356,7 +398,6 @@ class OrderedConsumer:
         return self._stream is not None and self._failure is None and self._next in self._inbox
 
     def _run(self) -> None:
-        streaming: bool | None = None  # decided once the engine exists
         while True:
             with self._cond:
                 while not (self._commands or self._closed or self._ready()):
@@ -377,9 +418,11 @@ class OrderedConsumer:
                     except BaseException as exc:
                         future.set_exception(exc)
                 continue
-            if streaming is None:
-                streaming = callable(getattr(self.engine, "partial_fit_stream", None))
-            if streaming:
+            if self._decide:
+                self._start_engine()  # then round again: the stream may have ended meanwhile
+                self._notify()
+                continue
+            if callable(getattr(self.engine, "partial_fit_stream", None)):
                 self._fit_run()
             else:
                 with self._cond:
@@ -388,6 +431,40 @@ class OrderedConsumer:
                 item = None  # drop the batch now: look-ahead memory stays bounded
                 self._maybe_checkpoint()
             self._notify()
+
+    def _start_engine(self) -> bool:
+        """Decide the engine at the next chunk (``starter``); whether it was decided.
+
+        Empty chunks before the first batch are skipped and a bad one stops
+        the stream, as with an engine built up front; a ``starter`` that
+        raises stops the stream at the chunk it was given.
+        """
+        with self._cond:
+            item = self._inbox.get(self._next)
+            if item is None:  # the stream ended meanwhile
+                return False
+            if not isinstance(item, LoadedChunk):
+                del self._inbox[self._next]
+        if not isinstance(item, LoadedChunk):
+            self._consume(item)
+            return False
+        assert self.starter is not None
+        try:
+            with self._limit():
+                engine, choice = self.starter(item, self.engine)
+        except Exception as exc:
+            with self._cond:
+                self._inbox.pop(item.index, None)
+                self._failure = BadChunk(
+                    item.index,
+                    f"{type(exc).__name__}: {exc}",
+                    exc,
+                    verb="could not start the engine",
+                )
+            return False
+        with self._cond:
+            self.engine, self.choice, self._decide = engine, choice, False
+        return True
 
     def _record(self, item: LoadedChunk, diag: Any, seconds: float) -> None:
         """Record a batch the engine has finished; runs on the engine thread.

@@ -161,6 +161,9 @@ class ClusterOutcome:
         The last stream checkpoint received.
     recoveries : list of Recovery
         Every loss of the engine's worker the walk went on after.
+    choice : AutoChoice or None
+        What ``engine="auto"`` chose on the engine's worker at the stream's
+        first chunk (``None`` for a named engine, or before that chunk).
     """
 
     state: HuberState | None = None
@@ -171,6 +174,7 @@ class ClusterOutcome:
     next_chunk: int = 0
     checkpoint: WalkCheckpoint | None = None
     recoveries: list[Recovery] = field(default_factory=list)
+    choice: Any = None
 
 
 def resolve_loader(
@@ -292,8 +296,10 @@ class ClusterWalk:
     client : distributed.Client
     stream : AlignedStream
     config : HuberConfig
-    engine : str
-        Resolved engine name.
+    engine : {"numpy", "gpu", "auto"}
+        The engine; ``"auto"`` (a stream from the empty state only) is
+        decided by the actor at the first chunk, and every actor the walk
+        starts after that decision (a recovery) builds the engine chosen.
     device : Any
         Device argument of the engine.
     state : HuberState or None
@@ -417,10 +423,13 @@ class ClusterWalk:
             raise _lost(host.address, self._consumed) from exc
 
     def _make_graph(self, mode: str, stream_id: str, start: int) -> ChunkGraph:
-        accept_device = self.engine == "gpu"
+        auto = self.engine == "auto"
+        accept_device = self.engine == "gpu" or auto
 
         def spec(i: int) -> Any:
-            return self.stream.spec(i, self.config.dtype, accept_device)
+            found = self.stream.spec(i, self.config.dtype, accept_device)
+            # Undecided, the NumPy engine may take the chunk: host chunks are checked here.
+            return replace(found, check_finite=True) if auto else found
 
         if mode == "engine-worker":
             return ChunkGraph(
@@ -756,10 +765,19 @@ class ClusterWalk:
             consumed = self._consumed = snap.consumed
             self.outcome.n_empty = self._empty_base + snap.n_empty
             self.outcome.next_chunk = consumed
+            self._chosen(snap.choice)
             if snap.checkpoint is not None:
                 self._take_checkpoint(snap.checkpoint)
             if snap.failure is not None:
                 raise _chunk_failure(snap.failure)
+
+    def _chosen(self, choice: Any) -> None:
+        """Keep what ``engine="auto"`` chose on the worker; later actors build that engine."""
+        if choice is None or self.outcome.choice is not None:
+            return
+        self.outcome.choice = choice
+        self.engine = choice.engine
+        self.outcome.placement["engine"] = choice.engine
 
     def _end(self, address: str) -> None:
         """End the walked stream: its final state and records, then the actor's close.
@@ -770,6 +788,7 @@ class ClusterWalk:
         timeout = _REPLY_GRACE_SECONDS * 12
         state, final = self._answer(self._actor.end(self._stream_id, seen), address, timeout)
         with interrupts_deferred():  # state, records and position change together
+            self._chosen(final.choice)
             self.outcome.state = state
             self.outcome.records.extend(final.records)
             self.outcome.n_empty = self._empty_base + final.n_empty
@@ -924,6 +943,7 @@ class ClusterWalk:
                     timeout=_REPLY_GRACE_SECONDS * 12
                 )
                 with interrupts_deferred():  # state, records and position change together
+                    self._chosen(final.choice)
                     self.outcome.state = state
                     self.outcome.records.extend(final.records)
                     self.outcome.n_empty = self._empty_base + final.n_empty
@@ -959,5 +979,9 @@ def _restricted(addresses: Sequence[str]) -> dict[str, Any]:
     return {"workers": list(addresses), "allow_other_workers": False}
 
 
-def _chunk_failure(bad: BadChunk) -> StreamError:
+def _chunk_failure(bad: BadChunk) -> BaseException:
+    # An engine that could not start at the first chunk (engine="auto" by a rule,
+    # e.g. device="cuda" without CuPy) is refused as a named engine is, not the chunk.
+    if isinstance(bad.error, EngineUnavailableError):
+        return bad.error
     return bad.exception()

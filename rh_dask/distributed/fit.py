@@ -14,6 +14,13 @@ With a ``checkpoint_dir``, both walks write stream checkpoints there
 to it, the next chunk and the input's fingerprint, so that a walk stopped
 in any way (a lost client, Ctrl-C) goes on from there with ``resume``
 (:class:`ResumePoint`).
+
+With ``auto`` (the estimator's ``engine="auto"``) an unstarted stream's
+engine is decided at its first chunk, by the policy of in-memory fits
+(:func:`~rh_dask.engines.auto.choose_engine`): in this process for the
+local walk, on the engine's worker for the cluster walk, whose choice comes
+back with the state and is recorded in every stream checkpoint, so that a
+resumed walk goes on with the engine the stream started with.
 """
 
 from __future__ import annotations
@@ -23,7 +30,7 @@ import os
 import time
 import warnings
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import dask.array as da
@@ -33,7 +40,7 @@ import numpy as np
 from ..exceptions import ValidationError
 from ..settings import Settings
 from ..state import HuberState
-from ..stream import BatchRecord, Recovery, Stream
+from ..stream import BatchRecord, Recovery, Stream, warn_fallback
 from ..validation import (
     check_feature_names,
     check_n_features,
@@ -224,11 +231,14 @@ class CheckpointWriter:
         state: HuberState,
         records: Sequence[BatchRecord],
         recoveries: Sequence[Recovery] = (),
+        engine: str | None = None,
     ) -> None:
         """Write the checkpoint at ``next_chunk``; a failed write warns and keeps the last one.
 
         ``n_empty``, ``records`` and ``recoveries`` are the walk's own: the
-        stream's from before the walk are added here.
+        stream's from before the walk are added here. ``engine`` is the
+        engine that reached ``state`` (default: the stream's), for a stream
+        whose engine ``engine="auto"`` chose on the cluster.
         """
         self._last_chunk = next_chunk
         self._last_time = time.monotonic()
@@ -242,7 +252,7 @@ class CheckpointWriter:
             config=self._stream.config,
             state=state,
             feature_names=self._names,
-            engine=self._stream.engine_name,
+            engine=engine or self._stream.engine_name,
             walk=WalkPosition(
                 next_chunk=next_chunk,
                 n_chunks=self._n_chunks,
@@ -341,6 +351,7 @@ def stream_fit(
     device: Any = None,
     owner: str = "RenewableHuberRegressor",
     resume: ResumePoint | None = None,
+    auto: bool = False,
 ) -> int:
     """Walk every chunk of ``X`` (Dask array or DataFrame), in order, into ``stream``.
 
@@ -362,6 +373,9 @@ def stream_fit(
         Go on from a stream checkpoint: ``stream`` holds its state, and the
         walk starts at its next chunk once the input's fingerprint is the
         checkpoint's.
+    auto : bool, optional
+        ``engine="auto"``: an unstarted stream's engine is chosen at its first
+        chunk (see the module's description); a started one keeps its engine.
 
     Returns
     -------
@@ -406,10 +420,13 @@ def stream_fit(
     writer = _writer(stream, aligned, options, found)
     client = current_client()
     with StreamProgress(aligned.n_chunks, options.progress, start) as bar:
+        choose = auto and not continuing
         if client is None:
-            n_batches = _fit_local(stream, aligned, device, options, bar, start, writer)
+            n_batches = _fit_local(stream, aligned, device, options, bar, start, writer, choose)
         else:
-            n_batches = _fit_cluster(stream, client, aligned, device, options, bar, start, writer)
+            n_batches = _fit_cluster(
+                stream, client, aligned, device, options, bar, start, writer, choose
+            )
     if n_batches == 0 and not continuing:
         raise ValidationError(
             f"every one of the {aligned.n_chunks} chunks is empty: there is nothing to fit"
@@ -461,8 +478,12 @@ def _fit_local(
     bar: StreamProgress,
     start: int,
     writer: CheckpointWriter,
+    choose: bool = False,
 ) -> int:
     """The single-process walk: the stream's own engine, chunks computed here.
+
+    With ``choose``, ``engine="auto"`` decides the unstarted stream's engine
+    at the first chunk with rows, under the walk's BLAS limit.
 
     Returns the number of batches consumed. Empty chunks are counted into the
     stream only with a consumed batch, or at the end of a clean walk that
@@ -470,14 +491,15 @@ def _fit_local(
     With a checkpoint directory, a stream checkpoint is written when one is
     due and when the walk stops, however it stops.
     """
-    accept_device = stream.engine_name == "gpu"
+    accept_device = stream.engine_name == "gpu" or choose
     dtype = stream.config.dtype
-    graph = ChunkGraph(
-        aligned,
-        assemble_chunk,
-        lambda i: aligned.spec(i, dtype, accept_device),
-        start=start,
-    )
+
+    def spec(i: int) -> Any:
+        found = aligned.spec(i, dtype, accept_device)
+        # Undecided, the NumPy engine may take the chunk: host chunks are checked here.
+        return replace(found, check_finite=True) if choose else found
+
+    graph = ChunkGraph(aligned, assemble_chunk, spec, start=start)
     counts = {"batches": 0, "empty": 0, "next": start}
     names = _names(aligned)
     limit = blas_limiter(STREAM_BLAS_THREADS)
@@ -504,6 +526,8 @@ def _fit_local(
             return
         if isinstance(item, BadChunk):
             raise item.exception()
+        if choose and not stream.started:
+            _choose_local(stream, item, device, limit)
         try:
             stream.consume(
                 item.X,
@@ -534,6 +558,19 @@ def _fit_local(
     return counts["batches"]
 
 
+def _choose_local(stream: Stream, item: ChunkItem, device: Any, limit: Any) -> None:
+    """``engine="auto"`` for the local walk's first batch, as the actor decides it."""
+    from ..engines.auto import choose_engine
+    from ..validation import is_device_array
+
+    rows, features = (int(n) for n in item.X.shape)
+    with limit():
+        choice = choose_engine(
+            stream.config, rows, features, device=device, device_input=is_device_array(item.X)
+        )
+    stream.choose(choice)
+
+
 def _fit_cluster(
     stream: Stream,
     client: Any,
@@ -543,8 +580,12 @@ def _fit_cluster(
     bar: StreamProgress,
     start: int,
     writer: CheckpointWriter,
+    choose: bool = False,
 ) -> int:
     """The distributed walk; the stream adopts the remote state even when the walk failed.
+
+    With ``choose``, the actor decides ``engine="auto"`` at the first chunk
+    (see :mod:`.actor`); the choice comes back in ``outcome.choice``.
 
     Returns the number of batches consumed; empty chunks are counted as in
     :func:`_fit_local`. Every stream checkpoint the engine sends is written
@@ -552,6 +593,9 @@ def _fit_cluster(
     moved since.
     """
     continuing = stream.started
+
+    def engine_of(outcome: ClusterOutcome) -> str | None:
+        return None if outcome.choice is None else outcome.choice.engine
 
     def on_checkpoint(checkpoint: WalkCheckpoint, outcome: ClusterOutcome) -> None:
         records = outcome.records[: checkpoint.n_records]
@@ -561,13 +605,14 @@ def _fit_cluster(
             checkpoint.state,
             records,
             outcome.recoveries,
+            engine_of(outcome),
         )
 
     walk = ClusterWalk(
         client,
         aligned,
         stream.config,
-        stream.engine_name,
+        "auto" if choose else stream.engine_name,
         device,
         stream.state() if continuing else None,
         lookahead=options.lookahead,
@@ -586,7 +631,14 @@ def _fit_cluster(
         # An interrupt while the walk winds down still leaves its last state on disk.
         done = walk.outcome
         if done.state is not None and (continuing or done.records):
-            writer.write(done.next_chunk, done.n_empty, done.state, done.records, done.recoveries)
+            writer.write(
+                done.next_chunk,
+                done.n_empty,
+                done.state,
+                done.records,
+                done.recoveries,
+                engine_of(done),
+            )
     adopted = outcome.state is not None and bool(outcome.records)
     if adopted:
         stream.adopt(
@@ -594,8 +646,11 @@ def _fit_cluster(
             outcome.records,
             feature_names=_names(aligned),
             placement=outcome.placement,
+            choice=outcome.choice,
         )
         stream.add_recoveries(outcome.recoveries)
+        if outcome.choice is not None and outcome.choice.fallback is not None:
+            warn_fallback(outcome.choice, stacklevel=6)
     if outcome.n_empty and (adopted or (continuing and outcome.error is None)):
         stream.count_empty(outcome.n_empty)
     if outcome.error is not None:

@@ -6,6 +6,9 @@
   start);
 * the NumPy engine takes any worker, preferring one without a GPU and with
   the most threads (they load chunks next to the engine).
+* ``engine="auto"`` takes the GPU worker with the most threads when there is
+  one, where the actor decides GPU or NumPy; otherwise it is placed as the
+  NumPy engine is.
 
 A request no worker can host raises
 :class:`~rh_dask.exceptions.EngineUnavailableError` saying what was looked for.
@@ -62,8 +65,9 @@ def choose_worker(workers: list[WorkerInfo], engine: str, worker: str | None) ->
     Parameters
     ----------
     workers : list of WorkerInfo
-    engine : {"numpy", "gpu"}
-        The resolved engine name.
+    engine : {"numpy", "gpu", "auto"}
+        The engine; ``"auto"`` takes a GPU worker when there is one (the
+        actor then decides GPU or NumPy there), else a worker as NumPy does.
     worker : str or None
         An explicit address (or worker name as the scheduler reports it).
 
@@ -91,6 +95,10 @@ def choose_worker(workers: list[WorkerInfo], engine: str, worker: str | None) ->
                 f"this cluster does ({len(workers)} workers)"
             )
         return max(gpus, key=lambda w: w.nthreads)
+    if engine == "auto":
+        gpus = [w for w in workers if w.has_gpu]
+        if gpus:
+            return max(gpus, key=lambda w: w.nthreads)
     # NumPy engine: keep GPU workers free for GPU streams when there is a choice.
     return max(workers, key=lambda w: (not w.has_gpu, w.nthreads))
 

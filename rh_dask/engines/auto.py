@@ -65,6 +65,7 @@ __all__ = [
     "default_calibrator",
     "plan_probes",
     "runtime_signature",
+    "start_chosen",
 ]
 
 #: Environment variables that set the BLAS and OpenMP thread counts: part of the signature.
@@ -607,6 +608,37 @@ def choose_engine(
         device_input=device_input,
         settings=settings,
     )
+
+
+def start_chosen(
+    choice: AutoChoice, config: HuberConfig, device: Any = None, *, settings: Any = None
+) -> tuple[Any, AutoChoice]:
+    """The engine ``choice`` names, started; a measured GPU choice that cannot start gives NumPy.
+
+    Only a GPU engine chosen by the calibration (:attr:`AutoChoice.measured`)
+    falls back: the NumPy engine is made instead and the returned choice
+    says why in ``fallback``. A choice made by a rule (a CUDA device named,
+    a batch on the device) raises what the engine raised, as an explicitly
+    named engine does.
+
+    Returns
+    -------
+    (Engine, AutoChoice)
+        The engine, and ``choice`` (with ``engine="numpy"`` and ``fallback``
+        set after a fallback).
+    """
+    from dataclasses import replace
+
+    from . import make_engine
+
+    try:
+        return make_engine(choice.engine, config, device, settings=settings), choice
+    except Exception as exc:
+        if choice.engine != "gpu" or not choice.measured:
+            raise
+        why = f"{type(exc).__name__}: {exc}"
+    engine = make_engine("numpy", config, None, settings=settings)
+    return engine, replace(choice, engine="numpy", fallback=why)
 
 
 def _after_fork() -> None:
