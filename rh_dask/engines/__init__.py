@@ -2,9 +2,11 @@
 
 ``engine="numpy"`` and ``engine="gpu"`` are explicit requests: if the engine
 cannot start, :class:`~rh_dask.exceptions.EngineUnavailableError` says why,
-and nothing is silently substituted. ``engine="auto"`` is resolved by one
-rule, :func:`resolve_engine_name`, for the estimator and the command line
-alike.
+and nothing is silently substituted. A stream that starts with
+``engine="auto"`` is decided by :func:`rh_dask.engines.auto.choose_engine`
+(in memory, in a Dask walk on the engine's worker, and on the command line
+alike); :func:`resolve_engine_name` maps a name to an engine without
+measuring, e.g. for a stream restored from a checkpoint.
 """
 
 from __future__ import annotations
@@ -32,9 +34,10 @@ def resolve_engine_name(
     The rule for ``"auto"``: the GPU engine where the engine is known to have
     a GPU, else the NumPy engine. Where it is known comes first from the
     cluster, when the caller has asked it (``gpu_workers``: whether any
-    worker advertises the ``GPU`` resource; the command line asks, on a
-    cluster it runs on), and otherwise from ``device``: a CUDA device
-    (``"cuda"``, ``"cuda:N"``) names the GPU engine.
+    worker advertises the ``GPU`` resource), and otherwise from ``device``:
+    a CUDA device (``"cuda"``, ``"cuda:N"``) names the GPU engine. A stream
+    that starts with ``engine="auto"`` is decided by measurement instead
+    (:func:`rh_dask.engines.auto.choose_engine`).
 
     Parameters
     ----------
