@@ -28,16 +28,21 @@ from .exceptions import ValidationError
 
 __all__ = [
     "IN_PROCESS_MAX_ROWS",
+    "NUMPY_BLAS_THREADS",
     "SettingError",
     "Settings",
     "defaults",
     "env_name",
     "in_process_max_rows",
+    "numpy_blas_threads",
     "setting_keys",
 ]
 
 #: Rows below which ``--scheduler auto`` runs a command in this process.
 IN_PROCESS_MAX_ROWS = "rh-dask.cli.in-process-max-rows"
+
+#: BLAS threads of the NumPy engine's calls ("auto" or a count).
+NUMPY_BLAS_THREADS = "rh-dask.numpy.blas-threads"
 
 _DEFAULTS_FILE = os.path.join(os.path.dirname(__file__), "rh-dask.yaml")
 
@@ -184,6 +189,30 @@ def _fraction(key: str, value: Any) -> float:
     return float(value)
 
 
+def _threads_or_auto(key: str, value: Any) -> int | str:
+    """``"auto"`` or a whole number >= 1."""
+    if isinstance(value, str) and value.strip().lower() == "auto":
+        return "auto"
+    try:
+        count = _whole(key, value)
+    except SettingError:
+        count = 0
+    if count < 1:
+        raise _refuse(key, '"auto" or a whole number >= 1', value)
+    return count
+
+
+def numpy_blas_threads() -> int | str:
+    """The ``rh-dask.numpy.blas-threads`` setting, checked: ``"auto"`` or a count.
+
+    Raises
+    ------
+    SettingError
+        When the value is neither ``"auto"`` nor a whole number >= 1.
+    """
+    return _threads_or_auto(NUMPY_BLAS_THREADS, dask.config.get(NUMPY_BLAS_THREADS))
+
+
 def in_process_max_rows() -> int:
     """The ``rh-dask.cli.in-process-max-rows`` setting, checked.
 
@@ -227,6 +256,10 @@ class Settings:
         engine's worker process serves chunk-sized allocations from malloc's
         heap (glibc's ``mallopt``; a process-wide change, restored when the
         stream ends). Off unless asked for.
+    numpy_blas_threads : int or "auto"
+        ``rh-dask.numpy.blas-threads``: BLAS threads of the NumPy engine's
+        calls, a count or ``"auto"`` (one thread on hosts of at most two
+        usable cores, else the count in force; docs/settings.md).
     gpu_graphs : bool
         ``rh-dask.gpu.graphs``: the GPU engine replays captured CUDA graphs.
     gpu_hold_gil : bool
@@ -297,6 +330,7 @@ class Settings:
     pin_mapped: bool = True
     engine_keep: float = 60.0
     heap_for_chunks: bool = False
+    numpy_blas_threads: int | str = "auto"
     gpu_graphs: bool = True
     gpu_hold_gil: bool = True
     gpu_score_variance: bool = True
@@ -338,6 +372,8 @@ class Settings:
                 "score_variance": self.gpu_score_variance,
                 "diagnostics": self.gpu_diagnostics,
             }
+        if engine == "numpy":
+            return {"blas_threads": self.numpy_blas_threads}
         return {}
 
 
@@ -355,6 +391,7 @@ _KEYS: dict[str, tuple[str, Callable[[str, Any], Any]]] = {
         lambda key, value: _seconds(key, value, positive=False),
     ),
     "heap_for_chunks": ("rh-dask.distributed.heap-for-chunks", _flag),
+    "numpy_blas_threads": (NUMPY_BLAS_THREADS, _threads_or_auto),
     "gpu_graphs": ("rh-dask.gpu.graphs", _flag),
     "gpu_hold_gil": ("rh-dask.gpu.hold-gil", _flag),
     "gpu_score_variance": ("rh-dask.gpu.score-variance", _flag),

@@ -65,6 +65,7 @@ def test_values_are_read_from_dask_config_and_text_is_parsed():
             "rh-dask.gpu.score-variance": "no",
             "rh-dask.gpu.diagnostics": "off",
             "rh-dask.cli.in-process-max-rows": "1_000",
+            "rh-dask.numpy.blas-threads": "3",
         }
     ):
         settings = Settings.from_config()
@@ -79,6 +80,7 @@ def test_values_are_read_from_dask_config_and_text_is_parsed():
         gpu_hold_gil=False,
         gpu_score_variance=False,
         gpu_diagnostics=False,
+        numpy_blas_threads=3,
     )
     assert settings.engine_options("gpu") == {
         "graphs": False,
@@ -86,7 +88,7 @@ def test_values_are_read_from_dask_config_and_text_is_parsed():
         "score_variance": False,
         "diagnostics": False,
     }
-    assert settings.engine_options("numpy") == {}
+    assert settings.engine_options("numpy") == {"blas_threads": 3}
     with pytest.raises(dataclasses.FrozenInstanceError):
         settings.pin_mapped = True  # type: ignore[misc]
 
@@ -109,6 +111,8 @@ def test_values_are_read_from_dask_config_and_text_is_parsed():
         ("gpu_score_variance", "x", "true or false"),
         ("gpu_diagnostics", "x", "true or false"),
         ("in_process_max_rows", -1, "a whole number >= 0"),
+        ("numpy_blas_threads", 0, '"auto" or a whole number >= 1'),
+        ("numpy_blas_threads", "all", '"auto" or a whole number >= 1'),
     ],
 )
 def test_a_malformed_value_is_refused_naming_its_key(field, value, expected):

@@ -81,8 +81,9 @@ def make_engine(
     device : None, "cpu", "cuda", "cuda:N" or int
         Where the engine should live (``None``: its default).
     settings : Settings, optional
-        Decide the GPU engine's options (``rh-dask.gpu.*``); default: read
-        from :mod:`dask.config` in this process when a GPU engine is made.
+        Decide the engines' options (``rh-dask.gpu.*``,
+        ``rh-dask.numpy.blas-threads``); default: read from
+        :mod:`dask.config` in this process when the engine is made.
         The engines themselves take plain arguments and never read it.
 
     Raises
@@ -90,12 +91,16 @@ def make_engine(
     EngineUnavailableError
         When the requested engine or device cannot be used here.
     SettingError
-        When a GPU engine is asked for and a setting read from
-        :mod:`dask.config` holds a value it cannot take.
+        When a setting of the engine read from :mod:`dask.config` holds a
+        value it cannot take.
     """
     name = resolve_engine_name(engine, device)
     if name == "numpy":
-        return NumpyEngine(config, device=None if device in (None, "cpu") else str(device))
+        from ..settings import numpy_blas_threads
+
+        threads = numpy_blas_threads() if settings is None else settings.numpy_blas_threads
+        cpu = None if device in (None, "cpu") else str(device)
+        return NumpyEngine(config, device=cpu, blas_threads=threads)
     try:
         from gpu_engine import GpuEngine
     except ImportError as exc:  # CuPy or a CUDA runtime is missing

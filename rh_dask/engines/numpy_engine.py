@@ -7,13 +7,12 @@ reused across iterations and batches, and float32 streams compute in float32.
 
 from __future__ import annotations
 
-import functools
 import warnings
+from collections.abc import Callable
 from typing import Any, ClassVar
 
 import numpy as np
 import scipy.linalg
-from threadpoolctl import ThreadpoolController
 
 from ..config import HuberConfig
 from ..core import (
@@ -33,13 +32,9 @@ from ..exceptions import EngineUnavailableError, NotFittedError, ValidationError
 from ..residuals import outlier_share, residual_scale
 from ..state import BatchDiagnostics, HuberState
 from ..validation import check_width
+from .blas_threads import blas_controller, blas_limit, resolve_blas_threads
 
 __all__ = ["NumpyEngine", "solve_newton_system"]
-
-
-@functools.cache
-def _blas_controller() -> ThreadpoolController:
-    return ThreadpoolController()
 
 
 def solve_newton_system(hessian: np.ndarray, gradient: np.ndarray) -> np.ndarray:
@@ -51,7 +46,7 @@ def solve_newton_system(hessian: np.ndarray, gradient: np.ndarray) -> np.ndarray
     several times its single-threaded time (docs/performance.md, NumPy
     engine).
     """
-    with _blas_controller().limit(limits=1, user_api="blas"):
+    with blas_controller().limit(limits=1, user_api="blas"):
         return _solve_ladder(hessian, gradient)
 
 
@@ -253,17 +248,32 @@ class NumpyEngine:
         Statistical and solver parameters of the stream.
     device : None or "cpu"
         Accepted for interface symmetry; any other device is refused.
+    blas_threads : int or "auto", default "auto"
+        BLAS threads of the engine's own calls (``rh-dask.numpy.blas-threads``,
+        see :mod:`rh_dask.engines.blas_threads`): a count, or ``"auto"``, the
+        measured rule. The count is set on entry to each call and the one in
+        force before it restored on exit.
+
+    Raises
+    ------
+    EngineUnavailableError
+        When ``device`` is not the CPU.
+    ValidationError
+        When ``blas_threads`` is neither ``"auto"`` nor a whole number >= 1.
     """
 
     name: ClassVar[str] = "numpy"
     accepts_device_arrays: ClassVar[bool] = False
 
-    def __init__(self, config: HuberConfig, device: str | None = None) -> None:
+    def __init__(
+        self, config: HuberConfig, device: str | None = None, blas_threads: int | str = "auto"
+    ) -> None:
         if device not in (None, "cpu"):
             raise EngineUnavailableError(
                 f"the numpy engine runs on the CPU only; device={device!r} is not supported"
             )
         self.config = config
+        self.blas_threads = resolve_blas_threads(blas_threads)
         self._state: HuberState | None = None
         self._ws = _Workspace(config.np_dtype)
 
@@ -300,9 +310,14 @@ class NumpyEngine:
         state = self._require_state()
         X = np.asarray(X)
         check_width(X, state.n_features_in)
-        return linear_predictor(X, state.coefficients, state.fit_intercept)
+        with blas_limit(self.blas_threads):
+            return linear_predictor(X, state.coefficients, state.fit_intercept)
 
     def partial_fit(self, X: Any, y: Any, sample_weight: Any | None = None) -> BatchDiagnostics:
+        with blas_limit(self.blas_threads):
+            return self._partial_fit(X, y, sample_weight)
+
+    def _partial_fit(self, X: Any, y: Any, sample_weight: Any | None) -> BatchDiagnostics:
         cfg = self.config
         dt = cfg.np_dtype
         X, y, w = self._check_batch(X, y, sample_weight)
@@ -316,7 +331,9 @@ class NumpyEngine:
         if cfg.penalised:
             beta, iterations, converged = _solve_lamm(batch, cfg, schedule)
         else:
-            beta, iterations, converged = _solve_newton(batch, cfg)
+            # Under a one-thread limit already, the p×p solve needs no limit of its own.
+            solve = _solve_ladder if self.blas_threads == 1 else solve_newton_system
+            beta, iterations, converged = _solve_newton(batch, cfg, solve)
         # Commit: r, κ, ψ and both Grams at the final β_b. K is accumulated only
         # while the stream has it (a state imported without K continues without).
         batch.evaluate(beta)
@@ -379,8 +396,15 @@ class NumpyEngine:
         return np.ascontiguousarray(X), y, w
 
 
-def _solve_newton(batch: _Batch, cfg: HuberConfig) -> tuple[np.ndarray, int, bool]:
-    """Damped Newton with monotone backtracking (contract, unpenalised)."""
+def _solve_newton(
+    batch: _Batch,
+    cfg: HuberConfig,
+    solve: Callable[[np.ndarray, np.ndarray], np.ndarray] = solve_newton_system,
+) -> tuple[np.ndarray, int, bool]:
+    """Damped Newton with monotone backtracking (contract, unpenalised).
+
+    ``solve(H, g)`` is the Newton system's solver, always on one BLAS thread.
+    """
     beta = batch.beta0.copy()
     J = batch.J
     p = beta.shape[0]
@@ -394,7 +418,7 @@ def _solve_newton(batch: _Batch, cfg: HuberConfig) -> tuple[np.ndarray, int, boo
         H += J
         H *= batch.inv_total
         H.flat[:: p + 1] += ridge
-        D = solve_newton_system(H, g).astype(beta.dtype, copy=False)
+        D = solve(H, g).astype(beta.dtype, copy=False)
         np.matmul(batch.Z, D, out=batch.zdir)
         slope = float(g @ D)
         curvature = float(D @ J @ D)
