@@ -15,6 +15,18 @@ pass and reset between passes:
   by every configuration; for the GPU engine each host chunk is copied to
   the device once and shared.
 
+With ``--distributed N`` the grid also runs on a cluster of N workers, one
+:class:`~rh_dask.distributed.grid_walk.GridActor` per worker, through
+:class:`rh_dask.RenewableHuberGridRegressor` (``walk="cluster"``): a
+``dask_cuda.LocalCUDACluster`` of N GPUs for ``--engine gpu`` (the script
+says so and exits when dask_cuda is not installed), else a ``LocalCluster``
+of N workers advertising ``GPU=1`` running the NumPy engine (a CPU smoke
+run). The workers generate the same seeded chunks themselves, each chunk
+loaded once per pass. Reported for it: wall times (a warm-up pass first),
+rows per second, each actor's busy fraction and configurations, and whether
+every configuration's state and prequential scores are bit-identical to
+the in-process grid's.
+
 Reported: every wall time, medians, the ratio grid / single (issue 15's
 target: at most 2 on the 20M × 90 float32 stream with the GPU engine), rows
 per second, and whether every configuration's coefficients are bit-identical
@@ -26,6 +38,8 @@ untimed fits).
         --output benchmarks/results/grid-h200.json
     # CPU, small
     python benchmarks/grid.py --rows 200000 --engine numpy
+    # spread over two workers (GPUs with --engine gpu)
+    python benchmarks/grid.py --rows 200000 --engine numpy --distributed 2
 """
 
 from __future__ import annotations
@@ -102,6 +116,90 @@ def check_identity(grid: GridEngine, engine_name: str, device: Any, chunks: list
     return out
 
 
+def stream_collection(rows: int, features: int, chunk_rows: int, dtype: str) -> tuple[Any, Any]:
+    """The chunks of :func:`make_chunks` as Dask arrays generated where they load."""
+    import dask
+    import dask.array as da
+
+    spec = StreamSpec(n_features=features, seed=15)
+    np_dtype = np.dtype(dtype)
+    xs, ys = [], []
+    for i, start in enumerate(range(0, rows, chunk_rows)):
+        size = min(chunk_rows, rows - start)
+        pair = dask.delayed(spec.chunk, pure=True)(i, size, dtype)
+        xs.append(da.from_delayed(pair[0], (size, features), dtype=np_dtype))
+        ys.append(da.from_delayed(pair[1], (size,), dtype=np_dtype))
+    return da.concatenate(xs), da.concatenate(ys)
+
+
+def start_cluster(engine: str, n: int) -> Any:
+    """N GPU workers (dask_cuda) for the GPU engine, else N CPU workers advertising GPU=1."""
+    if engine == "gpu":
+        from dask_cuda import LocalCUDACluster
+
+        return LocalCUDACluster(n_workers=n, resources={"GPU": 1}, dashboard_address=None)
+    from distributed import LocalCluster
+
+    threads = max(1, (os.cpu_count() or 1) // n)
+    return LocalCluster(
+        n_workers=n,
+        threads_per_worker=threads,
+        resources={"GPU": 1},
+        dashboard_address=None,
+    )
+
+
+def time_distributed(args: Any, taus: list[float], grid: GridEngine) -> dict[str, Any]:
+    """The grid over a cluster of ``args.distributed`` workers, against the in-process grid."""
+    from distributed import Client
+
+    from rh_dask import RenewableHuberGridRegressor
+
+    X, y = stream_collection(args.rows, args.features, args.chunk_rows, args.dtype)
+    samples, placements = [], []
+    with start_cluster(args.engine, args.distributed) as cluster, Client(cluster):
+        for _ in range(args.repeats + 1):  # the first pass starts the engines on the workers
+            model = RenewableHuberGridRegressor(
+                taus=taus,
+                reference_tau=args.reference_tau,
+                engine=args.engine,
+                dtype=args.dtype,
+                walk="cluster",
+                lookahead=args.lookahead,
+            )
+            start = time.perf_counter()
+            model.fit(X, y)
+            samples.append(time.perf_counter() - start)
+            placements.append(model.placement_)
+    states = model._grid.export_states()
+    identical_states = [
+        bool(a.equals(b)) for a, b in zip(states, grid.export_states(), strict=True)
+    ]
+    local = grid.records
+    walked = model._grid.records
+    identical_scores = len(local) == len(walked) and all(
+        a.huber_loss.tobytes() == b.huber_loss.tobytes() and a.mae.tobytes() == b.mae.tobytes()
+        for a, b in zip(local, walked, strict=True)
+    )
+    timed = samples[1:]
+    med = float(np.median(timed))
+    return {
+        "workers": args.distributed,
+        "cluster": type(cluster).__name__,
+        "seconds": summarize(timed),
+        "raw_seconds": timed,
+        "warmup_seconds": samples[0],
+        "rows_per_second": args.rows / med,
+        "placement": placements[1:],
+        "busy_fraction": [
+            float(np.median([p[a]["busy_fraction"] for p in placements[1:]]))
+            for a in range(len(placements[-1]))
+        ],
+        "states_identical_to_in_process_grid": identical_states,
+        "prequential_identical_to_in_process_grid": bool(identical_scores),
+    }
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--engine", default="numpy", choices=["numpy", "gpu"])
@@ -115,8 +213,26 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--reference-tau", type=float, default=1.345)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--no-check", action="store_true", help="skip the bit-identity fits")
+    parser.add_argument(
+        "--distributed",
+        type=int,
+        default=0,
+        metavar="N",
+        help="also run the grid over N cluster workers (GPUs with --engine gpu)",
+    )
+    parser.add_argument(
+        "--lookahead", type=int, default=8, help="chunks in flight (--distributed)"
+    )
     parser.add_argument("--output", default="benchmarks/results/grid.json")
     args = parser.parse_args(argv)
+    if args.distributed < 0:
+        parser.error("--distributed must be >= 1 (0: not at all)")
+    if args.distributed and args.engine == "gpu":
+        try:
+            import dask_cuda  # noqa: F401
+        except ImportError:
+            print("--distributed with --engine gpu needs dask_cuda, which is not installed here")
+            return 2
 
     taus = [float(t) for t in args.taus.split(",")]
     t0 = time.perf_counter()
@@ -134,6 +250,7 @@ def main(argv: list[str] | None = None) -> int:
     grid = GridEngine(configs, args.engine, args.device, reference_tau=args.reference_tau)
     grid_samples = time_grid(grid, chunks, args.repeats)
     identical = None if args.no_check else check_identity(grid, args.engine, args.device, chunks)
+    distributed = time_distributed(args, taus, grid) if args.distributed else None
     scored = [r for r in grid.records if r.scored]
     huber = None
     if scored:
@@ -177,6 +294,7 @@ def main(argv: list[str] | None = None) -> int:
         },
         "prequential_huber_loss": huber,
         "coefficients_identical_to_single_fits": identical,
+        "distributed": distributed,
     }
     path = write_json(args.output, result)
     print(
@@ -185,6 +303,15 @@ def main(argv: list[str] | None = None) -> int:
         f"grid of {len(taus)} {med_grid:.3f} s: ratio {med_grid / med_pf:.2f} / "
         f"{med_grid / med_stream:.2f}; identical: {identical}; wrote {path}"
     )
+    if distributed is not None:
+        print(
+            f"distributed over {args.distributed} workers ({distributed['cluster']}): "
+            f"{distributed['seconds']['median']:.3f} s, "
+            f"{distributed['rows_per_second']:.3g} rows/s, busy "
+            f"{[round(b, 2) for b in distributed['busy_fraction']]}, states identical: "
+            f"{all(distributed['states_identical_to_in_process_grid'])}, prequential "
+            f"identical: {distributed['prequential_identical_to_in_process_grid']}"
+        )
     return 0
 
 

@@ -10,10 +10,14 @@ prequential criterion over the stream is selected; ``coef_``, ``predict``
 and ``score`` are its own, and :attr:`best_estimator_` is a
 :class:`~rh_dask.RenewableHuberRegressor` holding its state.
 
-Dask collections are walked in this process: chunks are computed in index
-order with ``lookahead`` of them loading ahead on threads
+Dask collections are walked on the cluster when a ``distributed.Client`` is
+current (``walk="auto"``): one actor per GPU worker, each holding its share of
+the configurations, every chunk loaded once and delivered to every actor
+(:mod:`rh_dask.distributed.grid_walk`). Without a client (or with
+``walk="local"``) chunks are computed in this process in index order, with
+``lookahead`` of them loading ahead on threads
 (:func:`rh_dask.distributed.local.iter_local`), each computed once and given
-to every configuration. The distributed engine actor is not used.
+to every configuration. Both walks give bit-identical results.
 """
 
 from __future__ import annotations
@@ -37,6 +41,9 @@ __all__ = ["CRITERIA", "RenewableHuberGridRegressor"]
 
 #: Selection criteria: the prequential mean Huber loss or mean absolute error.
 CRITERIA: tuple[str, ...] = ("huber", "mae")
+
+#: Where a Dask stream's grid runs (the ``walk`` parameter).
+WALKS: tuple[str, ...] = ("auto", "local", "cluster")
 
 _DEFAULT_TAUS = (0.5, 0.75, 1.0, 1.345, 2.0, 3.0, 5.0, 10.0)
 
@@ -90,8 +97,15 @@ class RenewableHuberGridRegressor(RegressorMixin, BaseEstimator):
     device : str or int, default=None
         Device of the engines.
     lookahead : int, default=8
-        Dask streams only: chunks loading ahead, in this process, of the one
-        being consumed.
+        Dask streams only: chunks loading ahead of the one being consumed (in
+        this process, or on the cluster).
+    walk : {"auto", "local", "cluster"}, default="auto"
+        Dask streams only: where the grid runs. ``"cluster"``: one actor per
+        worker advertising the resource ``GPU`` (one actor on one worker
+        when none does), configurations split contiguously over them (sizes
+        differing by at most one), see :attr:`placement_`; it needs a current
+        ``distributed.Client``. ``"local"``: in this process. ``"auto"``:
+        ``"cluster"`` when a client is current, else ``"local"``.
 
     Attributes
     ----------
@@ -125,6 +139,12 @@ class RenewableHuberGridRegressor(RegressorMixin, BaseEstimator):
     coef_, intercept_ : the selected configuration's coefficients and intercept.
     n_features_in_, feature_names_in_, n_samples_seen_, n_empty_chunks_, engine_
         As in :class:`~rh_dask.RenewableHuberRegressor`.
+    placement_ : list of dict
+        After a walk on the cluster: one entry per actor, in configuration
+        order: ``worker`` (its address), ``configs`` (the rows of
+        ``configs_`` it held) and ``busy_fraction`` (the share of the walk's
+        wall time its engines spent fitting); empty after a walk in this
+        process.
 
     Notes
     -----
@@ -152,6 +172,7 @@ class RenewableHuberGridRegressor(RegressorMixin, BaseEstimator):
         device: str | int | None = None,
         dtype: str = "float64",
         lookahead: int = 8,
+        walk: str = "auto",
     ) -> None:
         self.taus = taus
         self.lambda_scales = lambda_scales
@@ -167,11 +188,13 @@ class RenewableHuberGridRegressor(RegressorMixin, BaseEstimator):
         self.device = device
         self.dtype = dtype
         self.lookahead = lookahead
+        self.walk = walk
 
     #: The grid being fitted; ``None`` until the first batch.
     _grid: GridEngine | None = None
     _feature_names: np.ndarray | None = None
     _n_empty: int = 0
+    _placement: list[dict[str, Any]] | None = None
 
     # -- configuration ---------------------------------------------------------
     def _make_configs(self) -> tuple[HuberConfig, ...]:
@@ -216,6 +239,8 @@ class RenewableHuberGridRegressor(RegressorMixin, BaseEstimator):
             or self.lookahead < 1
         ):
             raise ValidationError(f"lookahead must be an integer >= 1, got {self.lookahead!r}")
+        if self.walk not in WALKS:
+            raise ValidationError(f"walk must be one of {WALKS}, got {self.walk!r}")
         return (
             configs,
             resolve_engine_name(self.engine, self.device),
@@ -250,6 +275,7 @@ class RenewableHuberGridRegressor(RegressorMixin, BaseEstimator):
         self._grid = None
         self._feature_names = None
         self._n_empty = 0
+        self._placement = None
         return self
 
     def fit(self, X: Any, y: Any, sample_weight: Any | None = None) -> RenewableHuberGridRegressor:
@@ -339,6 +365,10 @@ class RenewableHuberGridRegressor(RegressorMixin, BaseEstimator):
         graph = ChunkGraph(
             aligned, assemble_chunk, lambda i: aligned.spec(i, dtype, accept_device)
         )
+        client = _cluster_client(self.walk)
+        if client is not None:
+            self._walk_cluster(client, grid, graph, names, fresh, aligned.n_chunks)
+            return
         if not graph.self_contained:
             raise ValidationError(
                 f"{owner} computes the chunks in this process, and this collection references "
@@ -369,7 +399,59 @@ class RenewableHuberGridRegressor(RegressorMixin, BaseEstimator):
                 f"every one of the {aligned.n_chunks} chunks is empty: there is nothing to fit"
             )
 
+    def _walk_cluster(
+        self,
+        client: Any,
+        grid: GridEngine,
+        graph: Any,
+        names: np.ndarray | None,
+        fresh: bool,
+        n_chunks: int,
+    ) -> None:
+        """The walk over one actor per GPU worker; its outcome imported into ``grid``."""
+        from .distributed.grid_walk import walk_grid
+        from .settings import Settings
+
+        done = walk_grid(
+            client,
+            graph,
+            grid.configs,
+            grid.engine_name,
+            self.device,
+            grid.reference_tau,
+            None if fresh else grid.export_states(),
+            int(self.lookahead),
+            Settings.from_config(),
+        )
+        if done.records:
+            grid.import_states(done.states)
+            grid.extend_records(done.records)
+            if fresh:
+                self._adopt(grid, names)
+        if done.records or not fresh:
+            self._n_empty += done.empty
+            self._placement = [
+                {
+                    "worker": s.worker,
+                    "configs": list(s.configs),
+                    "busy_fraction": busy / done.wall if done.wall > 0 else 0.0,
+                }
+                for s, busy in zip(done.shares, done.busy, strict=True)
+            ]
+        if done.error is not None:
+            raise done.error
+        if not done.records and fresh:
+            raise ValidationError(
+                f"every one of the {n_chunks} chunks is empty: there is nothing to fit"
+            )
+
     # -- fitted views ------------------------------------------------------------
+    @property
+    def placement_(self) -> list[dict[str, Any]]:
+        """Which worker held which configurations in the last cluster walk (see the class)."""
+        self._require_fitted()
+        return [dict(p, configs=list(p["configs"])) for p in (self._placement or [])]
+
     def _fitted_grid(self) -> GridEngine | None:
         grid = self._grid
         return grid if grid is not None and grid.n_features_in is not None else None
@@ -569,6 +651,23 @@ class RenewableHuberGridRegressor(RegressorMixin, BaseEstimator):
         :func:`rh_dask.huber_scorer`.
         """
         return self.best_estimator_.score(X, y, sample_weight)
+
+
+def _cluster_client(walk: str) -> Any:
+    """The current ``distributed.Client`` when the grid walks on the cluster, else ``None``."""
+    if walk == "local":
+        return None
+    try:
+        from distributed import default_client
+
+        return default_client()
+    except (ImportError, ValueError):
+        if walk == "cluster":
+            raise ValidationError(
+                "walk='cluster' needs a current distributed.Client (create one, or use "
+                "walk='local' or 'auto')"
+            ) from None
+        return None
 
 
 def _check_row_chunks(parts: tuple[Any, ...], roles: tuple[str, ...]) -> None:

@@ -120,23 +120,36 @@ def prequential_scores(
     -------
     huber_loss, mae : ndarray of shape (k,), float64, on the host
         Σ wᵢ ρ_τ(rᵢ) / Σ wᵢ and Σ wᵢ |rᵢ| / Σ wᵢ with r = y − Z β, the
-        predictions computed in the batch's dtype (one matrix product for all
-        k), the losses in float64.
+        predictions computed in the batch's dtype, the losses in float64.
+
+    Notes
+    -----
+    Each column is scored on its own (one matrix-vector product per
+    configuration): a BLAS matrix product's rounding depends on how many
+    columns it is given, and a configuration's score must not depend on
+    which others share the call, so that a grid split over several actors
+    (:mod:`rh_dask.distributed.grid_walk`) scores bit for bit as one grid.
     """
     d = X.shape[1]
-    pred = X @ betas[:d]
-    if fit_intercept:
-        pred += betas[d]
-    r = y.astype(xp.float64)[:, None] - pred.astype(xp.float64)
-    psi = xp.clip(r, -tau, tau)
-    rho = psi * (r - 0.5 * psi)
-    absr = xp.abs(r)
-    if w is None:
-        huber, mae = rho.mean(axis=0), absr.mean(axis=0)
-    else:
-        w64 = w.astype(xp.float64)
-        total = w64.sum()
-        huber, mae = (w64 @ rho) / total, (w64 @ absr) / total
+    y64 = y.astype(xp.float64)
+    w64 = None if w is None else w.astype(xp.float64)
+    total = None if w64 is None else w64.sum()
+    huber_cols, mae_cols = [], []
+    for j in range(betas.shape[1]):
+        pred = X @ betas[:d, j]
+        if fit_intercept:
+            pred += betas[d, j]
+        r = y64 - pred.astype(xp.float64)
+        psi = xp.clip(r, -tau, tau)
+        rho = psi * (r - 0.5 * psi)
+        absr = xp.abs(r)
+        if w64 is None:
+            huber_cols.append(rho.mean())
+            mae_cols.append(absr.mean())
+        else:
+            huber_cols.append((w64 @ rho) / total)
+            mae_cols.append((w64 @ absr) / total)
+    huber, mae = xp.stack(huber_cols), xp.stack(mae_cols)
     if xp is not np:
         huber, mae = xp.asnumpy(huber), xp.asnumpy(mae)
     return np.asarray(huber, dtype=np.float64), np.asarray(mae, dtype=np.float64)
@@ -258,6 +271,22 @@ class GridEngine:
         except BaseException:
             self._restore(held, done)
             raise
+
+    def extend_records(self, records: Sequence[GridRecord]) -> None:
+        """Append the records of batches the configurations consumed elsewhere.
+
+        A grid walked over several actors (:mod:`rh_dask.distributed.grid_walk`)
+        takes the states they reached with :meth:`import_states` and their
+        merged records with this; each record must cover every configuration.
+        """
+        records = list(records)
+        for r in records:
+            if len(r.huber_loss) != self.n_configs or len(r.diagnostics) != self.n_configs:
+                raise ValidationError(
+                    f"a record of batch {r.batch} covers {len(r.diagnostics)} configurations, "
+                    f"the grid has {self.n_configs}"
+                )
+        self._records.extend(records)
 
     def reset(self) -> None:
         """Forget the stream in every engine (workspaces kept) and the records."""
