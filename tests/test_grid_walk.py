@@ -233,3 +233,25 @@ def test_worker_processes_give_the_in_process_grid(stream):
     assert model.coefs_.tobytes() == local.coefs_.tobytes()
     assert model.prequential_.equals(local.prequential_)
     assert [p["configs"] for p in model.placement_] == [[0, 1, 2], [3, 4]]
+
+
+def _fail_on_2(block, block_info=None):
+    if block_info[0]["chunk-location"][0] == 2:
+        raise OSError("disk gone")
+    return block
+
+
+def test_a_chunk_whose_task_fails_stops_the_walk_with_stream_error(stream):
+    from rh_dask import StreamError
+
+    X, y, w = stream
+    Xd = da.from_array(X, chunks=(300, 4)).map_blocks(_fail_on_2, dtype=X.dtype)
+    yd = da.from_array(y, chunks=300)
+    local = RenewableHuberGridRegressor(taus=TAUS[:3], engine="numpy", walk="local")
+    local.fit(*_dask(X[:600], y[:600], w[:600])[:2])
+    with _cluster(2) as cluster, Client(cluster):
+        model = RenewableHuberGridRegressor(taus=TAUS[:3], engine="numpy")
+        with pytest.raises(StreamError, match="chunk 2 could not be loaded: OSError") as info:
+            model.fit(Xd, yd)
+    assert not isinstance(info.value, BadChunkError)
+    assert model.coefs_.tobytes() == local.coefs_.tobytes()
