@@ -255,3 +255,26 @@ def test_a_chunk_whose_task_fails_stops_the_walk_with_stream_error(stream):
             model.fit(Xd, yd)
     assert not isinstance(info.value, BadChunkError)
     assert model.coefs_.tobytes() == local.coefs_.tobytes()
+
+
+def test_an_actor_failure_names_its_worker_and_keeps_the_model(stream, monkeypatch):
+    from rh_dask import ActorLostError, StreamError
+    from rh_dask.engines.grid import GridEngine
+
+    Xd, yd, wd = _dask(*stream)
+    original = GridEngine.partial_fit
+
+    def fault_on_chunk_2(self, X, y, sample_weight=None, *, chunk=0):
+        if chunk == 2 and self.configs[0].tau == TAUS[0]:
+            raise RuntimeError("device fault")
+        return original(self, X, y, sample_weight, chunk=chunk)
+
+    monkeypatch.setattr(GridEngine, "partial_fit", fault_on_chunk_2)
+    with _cluster(2) as cluster, Client(cluster):
+        first = sorted(cluster.scheduler.workers)[0]
+        model = RenewableHuberGridRegressor(taus=TAUS, engine="numpy")
+        with pytest.raises(StreamError, match="device fault") as info:
+            model.fit(Xd, yd, wd)
+    assert first in str(info.value) and "configurations 0..3" in str(info.value)
+    assert not isinstance(info.value, (ActorLostError, BadChunkError))
+    assert not model.__sklearn_is_fitted__()

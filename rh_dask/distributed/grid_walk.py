@@ -25,7 +25,9 @@ before that chunk (each keeps them until every actor has consumed the
 chunk), and the walk raises :class:`~rh_dask.exceptions.BadChunkError`. A
 lost actor worker raises :class:`~rh_dask.exceptions.ActorLostError` naming
 the worker and its configurations; the states of that worker are gone, and
-the caller's model keeps what it held before the walk.
+the caller's model keeps what it held before the walk. Any other failure of
+an actor (a device fault) raises :class:`~rh_dask.exceptions.StreamError`
+naming its worker, the model again as it was before the walk.
 """
 
 from __future__ import annotations
@@ -42,7 +44,13 @@ from distributed import Future, get_worker
 
 from ..config import HuberConfig
 from ..engines.grid import GridEngine, GridRecord
-from ..exceptions import ActorLostError, EngineUnavailableError, RhDaskError, ValidationError
+from ..exceptions import (
+    ActorLostError,
+    EngineUnavailableError,
+    RhDaskError,
+    StreamError,
+    ValidationError,
+)
 from ..settings import Settings
 from ..state import HuberState
 from .chunks import ChunkGraph
@@ -299,6 +307,16 @@ def _lost(client: Any, share: Share, index: int, exc: BaseException) -> ActorLos
     return err
 
 
+def _failed(share: Share, index: int, exc: BaseException) -> StreamError:
+    """An actor that is still there failed on chunk ``index`` (a device fault, a bug)."""
+    rows = f"{share.configs.start}..{share.configs.stop - 1}"
+    return StreamError(
+        f"the grid actor on {share.worker} (configurations {rows}) failed at chunk {index}: "
+        f"{type(exc).__name__}: {exc}; the model keeps what it held before this fit",
+        index,
+    )
+
+
 def _alive(client: Any, address: str) -> bool:
     try:
         return address in scheduler_workers(client)
@@ -422,6 +440,8 @@ def _drive(
                 except RhDaskError:
                     raise
                 except Exception as exc:
+                    if _alive(client, share.worker):
+                        raise _failed(share, i, exc) from exc
                     raise _lost(client, share, i, exc) from exc
         for f in pending[len(actors) :]:
             f.release()
