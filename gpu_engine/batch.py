@@ -12,6 +12,7 @@ batch the device committed.
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 from rh_dask.core import BatchSchedule, batch_schedule, singular_rtol
@@ -157,9 +158,9 @@ class BatchRunner:
                     add_score_gram(ws, Z, r, n, cfg.tau)
                 if self._diagnostics:
                     weights = None if w is None else ws.w[:n]
-                    robust = robust_diagnostics(
-                        self._cp, r, weights, cfg.tau, schedule.total_weight
-                    )
+                    # The batch's own weight (the schedule's total is the stream's).
+                    batch_weight = float(n) if w is None else float(ws.status_d[layout.S_WSUM])
+                    robust = self._robust(r, weights, cfg.tau, batch_weight)
         diagnostics = BatchDiagnostics(
             iterations=int(ws.status_i[layout.I_ITER]),
             converged=bool(ws.status_i[layout.I_CONV]),
@@ -179,6 +180,28 @@ class BatchRunner:
             weight_sum=schedule.total_weight,
         )
         return diagnostics, after
+
+    def _robust(
+        self, r: Any, w: Any | None, tau: float, batch_weight: float
+    ) -> tuple[float | None, ...]:
+        """The batch's robust diagnostics; a failure to compute them never fails the batch.
+
+        The batch is committed by now, and the diagnostics only describe it: if
+        computing them raises (a CuPy without a routine they use), the engine
+        warns once, stops computing them and reports ``None``, as with
+        ``diagnostics=False``.
+        """
+        try:
+            return robust_diagnostics(self._cp, r, w, tau, batch_weight)
+        except Exception as exc:
+            self._diagnostics = False
+            warnings.warn(
+                f"the GPU engine stopped computing its robust diagnostics ({exc!r}); "
+                "they are None from this batch on",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+            return (None, None, None)
 
     def _write_header(self, schedule: BatchSchedule | None, p: int) -> None:
         """Fill the pinned control-block image for this batch (``None``: Σw not known yet)."""

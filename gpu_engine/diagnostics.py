@@ -10,7 +10,9 @@ engine, with the same conventions: the weighted share of rows with
 |r| > τ, 1.4826 × the weighted median absolute deviation from the weighted
 median (rows of zero weight take no part; the two middle values are
 averaged when the cumulative weight reaches exactly half), and the mean
-Huber loss Σ w ρ(r) / Σ w.
+Huber loss Σ w ρ(r) / Σ w. The functions take the array module as an
+argument, so the CPU tests run them on NumPy arrays against
+:mod:`rh_dask.residuals`.
 """
 
 from __future__ import annotations
@@ -38,11 +40,10 @@ def add_score_gram(ws: Any, Z: Any, r: Any, n: int, tau: float) -> None:
 
 
 def _sorted_weighted_median(cp: ModuleType, v: Any, w: Any) -> Any:
-    """Weighted median of ascending ``v`` with positive weights ``w`` (a 0-d device array)."""
+    """Weighted median of ascending ``v`` with positive weights ``w`` (a 1-element array)."""
     cumulative = cp.cumsum(w, dtype=cp.float64)
-    half = 0.5 * cumulative[-1]
-    i = cp.searchsorted(cumulative, half, side="left")
-    i = cp.minimum(i, v.size - 1)
+    half = 0.5 * cumulative[-1:]
+    i = cp.minimum(cp.searchsorted(cumulative, half, side="left"), v.size - 1)
     nxt = cp.minimum(i + 1, v.size - 1)
     exact = (cumulative[i] == half) & (i + 1 < v.size)
     lo = v[i].astype(cp.float64)
@@ -50,8 +51,9 @@ def _sorted_weighted_median(cp: ModuleType, v: Any, w: Any) -> Any:
 
 
 def _median(cp: ModuleType, v: Any, w: Any | None) -> Any:
+    """The (weighted) median of ``v`` as a 1-element float64 device array."""
     if w is None:
-        return cp.median(v.astype(cp.float64))
+        return cp.median(v.astype(cp.float64)).reshape(1)
     order = cp.argsort(v)
     return _sorted_weighted_median(cp, v[order], w[order])
 
@@ -62,7 +64,7 @@ def robust_diagnostics(
     """Mean Huber loss, weighted share with |r| > τ and 1.4826 × weighted MAD of ``r``.
 
     ``w``: the batch's weights, or ``None`` for an unweighted batch (every
-    row weighs 1). ``total_weight``: their sum (or the row count).
+    row weighs 1). ``total_weight``: the batch's weight sum (or its row count).
     """
     psi = r.clip(-tau, tau)
     rho = psi * (r - 0.5 * psi)
@@ -79,5 +81,7 @@ def robust_diagnostics(
     centre = _median(cp, rows, weights).astype(rows.dtype)
     deviation = abs(rows - centre)
     scale = MAD_CONSISTENCY * _median(cp, deviation, weights)
-    values = cp.stack([loss / total_weight, cp.asarray(share, cp.float64), scale]).get()
+    parts = (loss / total_weight, cp.asarray(share, cp.float64), scale)
+    values = cp.concatenate([cp.asarray(x, cp.float64).reshape(1) for x in parts])
+    values = cp.asnumpy(values) if hasattr(cp, "asnumpy") else values  # NumPy in CPU tests
     return float(values[0]), float(values[1]), float(values[2])

@@ -95,12 +95,14 @@ class GpuEngine:
         meat, :attr:`rh_dask.HuberState.score_variance`) at each committed
         batch, for standard errors: one more pass over the batch and one
         p×p GEMM per batch. ``False``: the exported state has K = ``None``.
-    diagnostics : bool, default=True
+    diagnostics : bool, default=False
         Report each batch's robust diagnostics in its
         :class:`~rh_dask.state.BatchDiagnostics` (``mean_loss``,
         ``outlier_share``, ``residual_scale``: :mod:`rh_dask.residuals`),
         computed on the device at the committed β (two sorts of the batch's
-        residuals and one small copy to the host). ``False``: they are ``None``.
+        residuals and one small copy to the host: on an H200 about 1 ms per
+        100,000 × 90 float32 batch, more than its solve). ``False``: they are
+        ``None``.
 
     Raises
     ------
@@ -131,7 +133,7 @@ class GpuEngine:
         copy_threads: int = 4,
         cholesky: str = "auto",
         score_variance: bool = True,
-        diagnostics: bool = True,
+        diagnostics: bool = False,
     ) -> None:
         graphs = _check_flag("graphs", graphs)
         self._score_variance = _check_flag("score_variance", score_variance)

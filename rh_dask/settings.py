@@ -270,7 +270,8 @@ class Settings:
         variance K (standard errors, ``cov_``) at every batch.
     gpu_diagnostics : bool
         ``rh-dask.gpu.diagnostics``: the GPU engine reports each batch's robust
-        diagnostics (mean Huber loss, share beyond τ, residual scale).
+        diagnostics (mean Huber loss, share beyond τ, residual scale); off by
+        default (they cost more than the solve).
     checkpoint_every_chunks : int
         ``rh-dask.checkpoint.every-chunks``: during a Dask walk, the stream's
         state is copied off the engine's worker after every this many chunks.
@@ -334,7 +335,7 @@ class Settings:
     gpu_graphs: bool = True
     gpu_hold_gil: bool = True
     gpu_score_variance: bool = True
-    gpu_diagnostics: bool = True
+    gpu_diagnostics: bool = False
     checkpoint_every_chunks: int = 16
     checkpoint_every_seconds: float = 60.0
     max_retries: int = 3

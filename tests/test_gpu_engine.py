@@ -940,7 +940,7 @@ def test_robust_diagnostics_match_the_reference(dtype, weighted):
     batches = _stream(8, [5000, 5000, 3001], dtype, seed=13)
     rng = np.random.default_rng(4)
     config = HuberConfig(dtype=dtype)
-    ref, gpu = NumpyEngine(config), GpuEngine(config)
+    ref, gpu = NumpyEngine(config), GpuEngine(config, diagnostics=True)
     # The engines' β differ within the contract's tolerance, and r with them.
     rtol = 1e-6 if dtype == "float64" else 5e-3
     for X, y in batches:

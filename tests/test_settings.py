@@ -63,7 +63,7 @@ def test_values_are_read_from_dask_config_and_text_is_parsed():
             "rh-dask.gpu.graphs": False,
             "rh-dask.gpu.hold-gil": "0",
             "rh-dask.gpu.score-variance": "no",
-            "rh-dask.gpu.diagnostics": "off",
+            "rh-dask.gpu.diagnostics": "on",
             "rh-dask.cli.in-process-max-rows": "1_000",
             "rh-dask.numpy.blas-threads": "3",
         }
@@ -79,14 +79,14 @@ def test_values_are_read_from_dask_config_and_text_is_parsed():
         gpu_graphs=False,
         gpu_hold_gil=False,
         gpu_score_variance=False,
-        gpu_diagnostics=False,
+        gpu_diagnostics=True,
         numpy_blas_threads=3,
     )
     assert settings.engine_options("gpu") == {
         "graphs": False,
         "hold_gil": False,
         "score_variance": False,
-        "diagnostics": False,
+        "diagnostics": True,
     }
     assert settings.engine_options("numpy") == {"blas_threads": 3}
     with pytest.raises(dataclasses.FrozenInstanceError):
@@ -161,7 +161,7 @@ class _GpuEngine:
         graphs=True,
         hold_gil=True,
         score_variance=True,
-        diagnostics=True,
+        diagnostics=False,
     ):
         self.config, self.device, self.graphs, self.hold_gil = config, device, graphs, hold_gil
         self.score_variance, self.diagnostics = score_variance, diagnostics
@@ -172,20 +172,21 @@ def test_make_engine_passes_the_gpu_settings_to_the_constructor(monkeypatch):
 
     from gpu_engine.engine import GpuEngine
 
-    keywords = ("graphs", "hold_gil", "score_variance", "diagnostics")
+    defaults = {"graphs": True, "hold_gil": True, "score_variance": True, "diagnostics": False}
     real = inspect.signature(GpuEngine).parameters
     stand_in = inspect.signature(_GpuEngine).parameters
-    assert all(real[k].default == stand_in[k].default is True for k in keywords)
+    assert all(real[k].default == stand_in[k].default is v for k, v in defaults.items())
+    assert all(getattr(Settings(), f"gpu_{k}") is v for k, v in defaults.items())
     fake = types.ModuleType("gpu_engine")
     fake.GpuEngine = engine_class = _GpuEngine
     monkeypatch.setitem(sys.modules, "gpu_engine", fake)
     explicit = Settings(
-        gpu_graphs=False, gpu_hold_gil=False, gpu_score_variance=False, gpu_diagnostics=False
+        gpu_graphs=False, gpu_hold_gil=False, gpu_score_variance=False, gpu_diagnostics=True
     )
     engine = make_engine("gpu", HuberConfig(), "cuda:0", settings=explicit)
     assert isinstance(engine, engine_class) and engine.device == "cuda:0"
     assert engine.graphs is False and engine.hold_gil is False
-    assert engine.score_variance is False and engine.diagnostics is False
+    assert engine.score_variance is False and engine.diagnostics is True
     with dask.config.set({"rh-dask.gpu.graphs": False}):  # read here when not given
         engine = make_engine("gpu", HuberConfig())
     assert engine.graphs is False and engine.hold_gil is True
