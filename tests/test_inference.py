@@ -244,7 +244,7 @@ def test_a_model_continuing_a_format_1_checkpoint_has_no_covariance(tmp_path):
         pytest.skip("no format-1 golden checkpoint")
     model = RenewableHuberRegressor.load(golden, engine="numpy")
     assert model.state_.score_variance is None
-    with pytest.raises(InferenceError, match=r'format version 2.*a fresh fit'):
+    with pytest.raises(InferenceError, match=r"format version 2.*a fresh fit"):
         model.summary()
     d = model.n_features_in_
     rng = np.random.default_rng(0)
