@@ -108,15 +108,16 @@ def test_local_script_places_the_engine_by_resources(tmp_path, parquet):
         assert by_name["cpu-0"]["resources"] == {}
         fit = ["fit", "--input", str(parquet), "--target", "y", "--scheduler", address]
 
-        # auto: the cluster advertises a GPU, so the GPU engine is tried first; it
-        # cannot start here (no CuPy), so the fit falls back to the NumPy engine,
-        # which placement keeps off the GPU worker.
+        # auto: the cluster advertises a GPU, so the engine's actor goes to the GPU
+        # worker and decides there at the first chunk; the GPU engine cannot start
+        # here (no CuPy), so that worker runs the NumPy engine and the report says why.
         result = _rh_dask(*fit, "--output", "auto.npz", "--report", "auto", cwd=tmp_path)
         assert result.returncode == 0, result.stderr
         report = json.loads((tmp_path / "auto" / "report.json").read_text())
-        assert report["engine"]["placement"]["worker"] == by_name["cpu-0"]["address"]
+        assert report["engine"]["placement"]["worker"] == by_name["gpu-slot-0"]["address"]
         assert report["engine"]["name"] == "numpy"
-        assert any("unavailable" in note for note in report["engine"]["notes"])
+        notes = report["engine"]["notes"]
+        assert any("'auto' chose 'numpy'" in n and "cannot start" in n for n in notes), notes
         names = {w["name"] for w in report["hardware"]["cluster"]["workers"]}
         assert names == {"gpu-slot-0", "cpu-0"}
 

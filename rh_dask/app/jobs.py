@@ -261,6 +261,8 @@ def fit_table(
             f"engine 'auto' chose the GPU engine, which could not start ({choice.fallback}); "
             "used 'numpy'"
         )
+    elif choice is not None:
+        notes.append(f"engine 'auto' chose {choice.engine!r}: {choice.reason}")
     notes += recovery_notes(model, since=called)
     return FitOutcome(
         model=model,
