@@ -177,3 +177,223 @@ class DriverCalls:
         """Block until a ``cupy.cuda.Event`` completes; no lock hand-over if it already has."""
         if not self.event_done(event.ptr):
             event.synchronize()
+
+
+# -- conditional graphs (built once per batch shape, so the lock is not kept) ----------
+
+#: ``CUgraphNodeType`` of a conditional node (cuda.h, CUDA >= 12.3).
+CU_GRAPH_NODE_TYPE_CONDITIONAL = 13
+#: ``CUgraphConditionalNodeType``: the body runs again while the condition is non-zero.
+CU_GRAPH_COND_TYPE_WHILE = 1
+#: ``cuGraphConditionalHandleCreate`` flag: the default value is assigned at every launch.
+CU_GRAPH_COND_ASSIGN_DEFAULT = 1
+#: ``CUstreamCaptureMode``: relaxed, as the engine's other captures.
+CU_STREAM_CAPTURE_MODE_RELAXED = 2
+
+
+class ConditionalNodeParams(ctypes.Structure):
+    """``CUDA_CONDITIONAL_NODE_PARAMS`` (cuda.h): handle, type, size, phGraph_out, ctx."""
+
+    _fields_ = [
+        ("handle", ctypes.c_ulonglong),
+        ("type", ctypes.c_int),
+        ("size", ctypes.c_uint),
+        ("phGraph_out", ctypes.POINTER(ctypes.c_void_p)),
+        ("ctx", ctypes.c_void_p),
+    ]
+
+
+class GraphNodeParams(ctypes.Structure):
+    """``CUgraphNodeParams`` (cuda.h) with its union's conditional member.
+
+    The type, three reserved ints, a union of 29 ``long long`` (232 bytes)
+    whose first 32 bytes are the conditional parameters, and a trailing
+    reserved ``long long``: 256 bytes, every unused byte zero.
+    """
+
+    _fields_ = [
+        ("type", ctypes.c_int),
+        ("reserved0", ctypes.c_int * 3),
+        ("conditional", ConditionalNodeParams),
+        ("union_rest", ctypes.c_longlong * 25),
+        ("reserved2", ctypes.c_longlong),
+    ]
+
+
+assert ctypes.sizeof(ConditionalNodeParams) == 32
+assert ctypes.sizeof(GraphNodeParams) == 256
+assert GraphNodeParams.conditional.offset == 16
+
+
+_GRAPH_LOCK = threading.Lock()
+_GRAPH_CALLS: GraphCalls | None = None
+_GRAPH_ERROR: str | None = None
+
+
+class GraphCalls:
+    """The CUDA driver's graph-building entry points of a WHILE conditional node.
+
+    Bound through ``ctypes.CDLL`` (these calls run once per batch shape, and
+    may release the lock). Each method raises ``CUDADriverError`` on a
+    failed call.
+
+    Parameters
+    ----------
+    cp : module
+        CuPy (its driver error type).
+    lib : ctypes.CDLL
+        The CUDA driver library with the signatures set by :func:`graph_calls`.
+    add_node_v2 : bool
+        Whether ``cuGraphAddNode_v2`` (with edge data, CUDA >= 12.3) is bound
+        rather than the older ``cuGraphAddNode``.
+    """
+
+    def __init__(self, cp: ModuleType, lib: Any, add_node_v2: bool) -> None:
+        self._cp = cp
+        self._lib = lib
+        self._add_node_v2 = add_node_v2
+
+    def _check(self, status: int) -> None:
+        if status != _CUDA_SUCCESS:
+            raise self._cp.cuda.driver.CUDADriverError(status)
+
+    def current_context(self) -> int:
+        """The calling thread's current context (the device's primary context)."""
+        ctx = ctypes.c_void_p()
+        self._check(self._lib.cuCtxGetCurrent(ctypes.byref(ctx)))
+        if not ctx.value:
+            # A thread whose runtime calls needed no context yet: bind it, as
+            # DriverCalls does, and ask again.
+            self._cp.cuda.runtime.free(0)
+            self._check(self._lib.cuCtxGetCurrent(ctypes.byref(ctx)))
+        if not ctx.value:
+            raise RuntimeError("no CUDA context is current on this thread")
+        return int(ctx.value)
+
+    def create_graph(self) -> int:
+        graph = ctypes.c_void_p()
+        self._check(self._lib.cuGraphCreate(ctypes.byref(graph), 0))
+        return int(graph.value or 0)
+
+    def destroy_graph(self, graph: int) -> None:
+        self._check(self._lib.cuGraphDestroy(graph))
+
+    def add_while_node(self, graph: int, ctx: int, default: int) -> tuple[int, int]:
+        """Add a WHILE node to ``graph``; its condition handle and its (empty) body graph.
+
+        The condition is set to ``default`` at every launch of the graph, so
+        the body runs at least once when it is 1.
+        """
+        handle = ctypes.c_ulonglong()
+        self._check(
+            self._lib.cuGraphConditionalHandleCreate(
+                ctypes.byref(handle), graph, ctx, default, CU_GRAPH_COND_ASSIGN_DEFAULT
+            )
+        )
+        params = GraphNodeParams()  # ctypes zero-fills every byte
+        params.type = CU_GRAPH_NODE_TYPE_CONDITIONAL
+        params.conditional.handle = handle.value
+        params.conditional.type = CU_GRAPH_COND_TYPE_WHILE
+        params.conditional.size = 1
+        params.conditional.ctx = ctx
+        node = ctypes.c_void_p()
+        if self._add_node_v2:
+            status = self._lib.cuGraphAddNode_v2(
+                ctypes.byref(node), graph, None, None, 0, ctypes.byref(params)
+            )
+        else:
+            status = self._lib.cuGraphAddNode(
+                ctypes.byref(node), graph, None, 0, ctypes.byref(params)
+            )
+        self._check(status)
+        body = params.conditional.phGraph_out[0]
+        if not body:
+            raise RuntimeError("cuGraphAddNode returned no body graph for the WHILE node")
+        return int(handle.value), int(body)
+
+    def begin_capture_to_graph(self, stream: int, graph: int) -> None:
+        """Capture what ``stream`` queues from now on into the existing ``graph``."""
+        self._check(
+            self._lib.cuStreamBeginCaptureToGraph(
+                stream, graph, None, None, 0, CU_STREAM_CAPTURE_MODE_RELAXED
+            )
+        )
+
+    def end_capture(self, stream: int, check: bool = True) -> None:
+        """End the capture on ``stream`` (the captured graph is the one it was given)."""
+        graph = ctypes.c_void_p()
+        status = self._lib.cuStreamEndCapture(stream, ctypes.byref(graph))
+        if check:
+            self._check(status)
+
+    def instantiate(self, graph: int) -> int:
+        exec_ = ctypes.c_void_p()
+        self._check(self._lib.cuGraphInstantiateWithFlags(ctypes.byref(exec_), graph, 0))
+        return int(exec_.value or 0)
+
+    def destroy_exec(self, graph_exec: int) -> None:
+        self._check(self._lib.cuGraphExecDestroy(graph_exec))
+
+
+def graph_calls(cp: ModuleType) -> GraphCalls:
+    """The process's :class:`GraphCalls`.
+
+    Raises
+    ------
+    RuntimeError
+        When the driver library cannot be loaded or lacks conditional graph
+        nodes (``cuGraphConditionalHandleCreate``, ``cuStreamBeginCaptureToGraph``:
+        drivers of CUDA 12.3 and later).
+    """
+    global _GRAPH_CALLS, _GRAPH_ERROR
+    with _GRAPH_LOCK:
+        if _GRAPH_CALLS is not None:
+            return _GRAPH_CALLS
+        if _GRAPH_ERROR is not None:
+            raise RuntimeError(_GRAPH_ERROR)
+        errors = []
+        for name in _LIBRARY_NAMES:
+            try:
+                lib = ctypes.CDLL(name)
+                break
+            except OSError as exc:
+                errors.append(str(exc))
+        else:
+            _GRAPH_ERROR = "the CUDA driver library cannot be loaded: " + "; ".join(errors)
+            raise RuntimeError(_GRAPH_ERROR)
+        vp, u, ull, sz, i = (
+            ctypes.c_void_p,
+            ctypes.c_uint,
+            ctypes.c_ulonglong,
+            ctypes.c_size_t,
+            ctypes.c_int,
+        )
+        signatures = {
+            "cuCtxGetCurrent": [vp],
+            "cuGraphCreate": [vp, u],
+            "cuGraphDestroy": [vp],
+            "cuGraphConditionalHandleCreate": [vp, vp, vp, u, u],
+            "cuStreamBeginCaptureToGraph": [vp, vp, vp, vp, sz, i],
+            "cuStreamEndCapture": [vp, vp],
+            "cuGraphInstantiateWithFlags": [vp, vp, ull],
+            "cuGraphExecDestroy": [vp],
+        }
+        try:
+            for fname, argtypes in signatures.items():
+                fn = getattr(lib, fname)
+                fn.argtypes = argtypes
+                fn.restype = ctypes.c_int
+            try:
+                add = lib.cuGraphAddNode_v2
+                add.argtypes = [vp, vp, vp, vp, sz, vp]
+                v2 = True
+            except AttributeError:
+                add = lib.cuGraphAddNode
+                add.argtypes = [vp, vp, vp, sz, vp]
+                v2 = False
+            add.restype = ctypes.c_int
+        except AttributeError as exc:
+            _GRAPH_ERROR = f"the CUDA driver has no conditional graph nodes ({exc})"
+            raise RuntimeError(_GRAPH_ERROR) from None
+        _GRAPH_CALLS = GraphCalls(cp, lib, v2)
+        return _GRAPH_CALLS

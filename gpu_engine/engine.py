@@ -31,6 +31,7 @@ from rh_dask.state import BatchDiagnostics, HuberState
 
 from ._cuda import import_cupy, resolve_device
 from .batch import BatchRunner
+from .device_loop import DEVICE_LOOP_MODES, DeviceLoop
 from .driver import DriverCalls
 from .inputs import BatchInputs
 from .kernels import get_kernels
@@ -103,15 +104,28 @@ class GpuEngine:
         residuals and one small copy to the host: on an H200 about 1 ms per
         100,000 × 90 float32 batch, more than its solve). ``False``: they are
         ``None``.
+    device_loop : {"auto", "on", "off"}, default="auto"
+        How the Newton iterations of an unpenalised batch are driven.
+        ``"off"``: the host loop, one graph launch and one host
+        synchronisation per iteration. ``"on"``: the device loop, a CUDA
+        graph WHILE conditional node whose body is one iteration, so one
+        launch and one synchronisation per batch (plus one per singular
+        factor, whose fallback runs on the host); it needs ``graphs=True``
+        and a driver with conditional graph nodes (CUDA 12.3 or later).
+        ``"auto"``: the device loop where it can be built, else the host
+        loop (:attr:`device_loop_error` says why). The results are the same
+        bits either way. The L1 solve queues its rounds without
+        synchronising already and is not affected.
 
     Raises
     ------
     ValidationError
         When ``graphs``, ``hold_gil``, ``score_variance`` or ``diagnostics`` is not a bool,
-        or ``cholesky`` is
-        not one of its choices.
+        ``cholesky`` or ``device_loop`` is not one of its choices, or
+        ``device_loop="on"`` comes with ``graphs=False``.
     EngineUnavailableError
-        When CuPy, a CUDA driver or the requested device is missing.
+        When CuPy, a CUDA driver or the requested device is missing, or
+        ``device_loop="on"`` where the driver lacks conditional graph nodes.
 
     Notes
     -----
@@ -134,6 +148,7 @@ class GpuEngine:
         cholesky: str = "auto",
         score_variance: bool = True,
         diagnostics: bool = False,
+        device_loop: str = "auto",
     ) -> None:
         graphs = _check_flag("graphs", graphs)
         self._score_variance = _check_flag("score_variance", score_variance)
@@ -142,6 +157,14 @@ class GpuEngine:
         if cholesky not in CHOLESKY_MODES:
             raise ValidationError(
                 f"cholesky must be 'auto', 'kernel' or 'cusolver', got {cholesky!r}"
+            )
+        if not isinstance(device_loop, str) or device_loop not in DEVICE_LOOP_MODES:
+            raise ValidationError(
+                f"device_loop must be 'auto', 'on' or 'off', got {device_loop!r}"
+            )
+        if device_loop == "on" and not graphs:
+            raise ValidationError(
+                "device_loop='on' needs graphs=True (the device loop is a graph)"
             )
         cp = import_cupy()
         self._cp = cp
@@ -153,6 +176,8 @@ class GpuEngine:
             kernels = get_kernels(cp, self._device_id, self._dtype)
             self._calls = DriverCalls(cp, hold_gil=hold_gil)
             self._stream = stream = cp.cuda.Stream(non_blocking=True)
+            # First of the parts that can refuse (device_loop="on"): nothing to release yet.
+            self._loop = DeviceLoop(cp, self._device_id, self._calls, stream, device_loop, graphs)
             self._dense = DenseSolver(cp, self._device_id, stream, self._dtype)
             max_grid = BLOCKS_PER_SM * kernels.multiprocessors
             self._ws = Workspace(cp, self._dtype, max_grid)
@@ -173,7 +198,7 @@ class GpuEngine:
         parts = DeviceParts(
             config, kernels, self._calls, stream, self._dense, self._ws, self._launcher
         )
-        self._newton = NewtonDriver(parts, cholesky)
+        self._newton = NewtonDriver(parts, cholesky, self._loop)
         self._lamm = LammDriver(parts)
         self._batches = BatchRunner(parts, self._newton, self._lamm, cp, self._diagnostics)
         self._closed = False
@@ -220,6 +245,22 @@ class GpuEngine:
     def graph_error(self) -> str | None:
         """Why graph capture was turned off, if it failed."""
         return self._launcher.graph_error
+
+    @property
+    def device_loop(self) -> bool:
+        """Whether the Newton iterations run as a device loop (one synchronisation per batch).
+
+        True while ``device_loop`` is ``"on"``, or ``"auto"`` and nothing has
+        stopped it; it turns False when a loop graph fails to build
+        (:attr:`device_loop_error`) or graphs are turned off by a failed
+        capture.
+        """
+        return self._loop.enabled and (self._launcher.graphs or self._loop.mode == "on")
+
+    @property
+    def device_loop_error(self) -> str | None:
+        """Why ``device_loop="auto"`` runs the host loop, if something stopped the device loop."""
+        return self._loop.error
 
     @property
     def holds_gil(self) -> bool:

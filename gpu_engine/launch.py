@@ -2,9 +2,11 @@
 
 :class:`Launch` is one kernel launch with its parameters packed once;
 :class:`CapturedGraph` is a CUDA graph captured from a stream; :class:`Launcher`
-is the engine's cache of both. A *launch body* (a callable that queues a
-fixed sequence of launches and library calls) is captured into a graph on its
-first use and replayed from then on, or run directly when graphs are off.
+is the engine's cache of both, and of :class:`LoopGraph`, a graph of one
+WHILE conditional node whose body is a captured launch body. A *launch body*
+(a callable that queues a fixed sequence of launches and library calls) is
+captured into a graph on its first use and replayed from then on, or run
+directly when graphs are off.
 Prepared launches and graphs hold device addresses, so they are dropped
 whenever the workspace's buffers move (:attr:`Workspace.generation`).
 """
@@ -17,7 +19,7 @@ from types import ModuleType
 from typing import Any
 
 from . import layout
-from .driver import DriverCalls
+from .driver import DriverCalls, GraphCalls
 from .kernels import Kernels
 
 
@@ -121,6 +123,76 @@ class CapturedGraph:
             pass
 
 
+class LoopGraph:
+    """A CUDA graph of one WHILE conditional node, launched through :class:`DriverCalls`.
+
+    The body is captured from a stream into the node's body graph; the node
+    runs it again and again while its condition is non-zero. The condition
+    is 1 at every launch (so the body runs at least once) and a kernel of
+    the body sets it with ``cudaGraphSetConditional`` (the body callable
+    receives the condition's handle to pass to that kernel). One launch and
+    one synchronisation then cover as many bodies as the device decides.
+
+    Parameters
+    ----------
+    graph_calls : GraphCalls
+        Builds the graph (driver entry points of CUDA 12.3 and later).
+    calls : DriverCalls
+        Launches it.
+    stream : cupy.cuda.Stream
+        The stream to capture the body from (not the legacy default stream).
+    body : callable
+        ``body(handle)`` queues one pass of the loop on ``stream``, its last
+        kernel setting the condition through ``handle``.
+
+    Raises
+    ------
+    Exception
+        Whatever the driver refuses (a node type a conditional body may not
+        hold, a driver without conditional nodes); nothing is left allocated.
+    """
+
+    def __init__(
+        self, graph_calls: GraphCalls, calls: DriverCalls, stream: Any, body: Callable[[int], None]
+    ) -> None:
+        self._g = graph_calls
+        self._calls = calls
+        self._exec = 0
+        self._graph = graph_calls.create_graph()
+        try:
+            ctx = graph_calls.current_context()
+            handle, body_graph = graph_calls.add_while_node(self._graph, ctx, default=1)
+            graph_calls.begin_capture_to_graph(stream.ptr, body_graph)
+            try:
+                body(handle)
+            except BaseException:
+                graph_calls.end_capture(stream.ptr, check=False)
+                raise
+            graph_calls.end_capture(stream.ptr)
+            self._exec = graph_calls.instantiate(self._graph)
+        except BaseException:
+            self.close()
+            raise
+
+    def launch(self, stream: int) -> None:
+        self._calls.graph_launch(self._exec, stream)
+
+    def close(self) -> None:
+        """Destroy the executable and the graph (the body graph is the node's)."""
+        if self._exec:
+            self._g.destroy_exec(self._exec)
+            self._exec = 0
+        if self._graph:
+            self._g.destroy_graph(self._graph)
+            self._graph = 0
+
+    def __del__(self) -> None:  # pragma: no cover - interpreter shutdown order varies
+        try:
+            self.close()
+        except Exception:
+            pass
+
+
 class Launcher:
     """The engine's prepared launches and captured graphs on its one stream.
 
@@ -157,7 +229,7 @@ class Launcher:
         self.graphs = graphs
         #: Why graph capture was turned off, if it failed.
         self.graph_error: str | None = None
-        self._graph_cache: dict[tuple[Any, ...], CapturedGraph] = {}
+        self._graph_cache: dict[tuple[Any, ...], CapturedGraph | LoopGraph] = {}
         self._generation = -1
         self._launches: dict[tuple[Any, ...], Launch] = {}
 
@@ -189,6 +261,14 @@ class Launcher:
                 return
             self._graph_cache[key] = graph
         graph.launch(self._stream.ptr)
+
+    def cached_graph(self, key: tuple[Any, ...]) -> CapturedGraph | LoopGraph | None:
+        """The graph kept under ``key``, if any."""
+        return self._graph_cache.get(key)
+
+    def keep_graph(self, key: tuple[Any, ...], graph: LoopGraph) -> None:
+        """Keep a graph built elsewhere: dropped with the others when the workspace moves."""
+        self._graph_cache[key] = graph
 
     def follow(self, generation: int) -> None:
         """Drop launches and graphs made for another workspace generation."""

@@ -6,10 +6,16 @@ One step graph per iteration: the Cholesky solve of the Newton system
 (all 27 backtracking steps in one pass; its last block decides the step,
 moves β and tests convergence on the device), then the row pass and Gram
 GEMM at the new β, which are both the next iteration's start and, when the
-search ended the solve, the commit's input, and ``rh_commit_finish``. The
-host synchronises once per iteration; when the device reports the Cholesky
-factor singular, the host finishes the contract's ladder (LU, then the
-minimum-norm SVD solution) and the line search is rerun with that direction.
+search ended the solve, the commit's input, and ``rh_commit_finish``.
+
+The iterations run either as a host loop (one step graph launch and one host
+synchronisation per iteration) or as a device loop (:mod:`.device_loop`:
+the step graph's work as the body of a WHILE conditional graph, one launch
+and one synchronisation per batch); both queue the same work in the same
+order and give the same bits. When the device reports the Cholesky factor
+singular, the host finishes the contract's ladder (LU, then the minimum-norm
+SVD solution) and the line search is rerun with that direction; the device
+loop exits to the host for it and is launched again if the solve goes on.
 """
 
 from __future__ import annotations
@@ -19,7 +25,9 @@ from rh_dask.exceptions import ValidationError
 
 from . import layout
 from .commit import commit_finish, row_pass
+from .device_loop import DeviceLoop
 from .inputs import raise_if_invalid
+from .launch import LoopGraph
 from .parts import DeviceParts
 
 #: ``cholesky="auto"`` takes the fused kernel up to this p. Measured on an H200
@@ -43,44 +51,117 @@ class NewtonDriver:
         The engine's device-side collaborators.
     cholesky : {"auto", "kernel", "cusolver"}
         How the Newton system is factorised (see :class:`GpuEngine`).
+    loop : DeviceLoop or None
+        Runs the iterations as a device loop where it is enabled (None: the
+        host loop).
     """
 
     def __init__(
         self,
         parts: DeviceParts,
         cholesky: str,
+        loop: DeviceLoop | None = None,
     ) -> None:
         self._parts = parts
         self._cholesky = cholesky
+        self._loop = loop
         #: Whether the last solve used the fused one-block kernel.
         self.small_solve = False
+        #: Whether the last solve ran as a device loop.
+        self.device_loop = False
 
     def solve(self, n: int, p: int) -> None:
         """Solve and commit the batch in the workspace (``n`` rows, ``p`` parameters).
 
-        One synchronisation per iteration; the commit rides on the last one.
-        Raises the batch's :class:`ValidationError` after the first one if
-        ``rh_build`` flagged its values.
+        One synchronisation per iteration (host loop) or per batch (device
+        loop, plus one per singular factor); the commit rides on the last
+        one. Raises the batch's :class:`ValidationError` after the first one
+        if ``rh_build`` flagged its values.
+
+        Raises
+        ------
+        EngineUnavailableError
+            With ``device_loop="on"``, when the loop graph cannot be built
+            (before anything is committed).
         """
-        ws, run = self._parts.ws, self._parts.launcher.run
+        run = self._parts.launcher.run
         self.small_solve = self._fused_solve_fits(p)
         run(("prime", n), lambda: self._eval_and_gram(n))
+        graph = self._loop_graph(n)
+        self.device_loop = graph is not None
+        if graph is None:
+            self._host_loop(n, p)
+        else:
+            self._device_loop(n, p, graph)
+
+    def _host_loop(self, n: int, p: int) -> None:
+        """One step graph and one synchronisation per iteration."""
+        ws, run = self._parts.ws, self._parts.launcher.run
         for it in range(self._parts.config.max_iter):
             run(("step", n), lambda: self._step(n))
             self._parts.calls.synchronize(self._parts.stream)
             if it == 0:
                 raise_if_invalid(ws.status_i)
             if ws.status_i[layout.I_FALLBACK]:
-                direction = self._parts.dense.fallback_direction(
-                    ws.Hs, ws.g, p, singular_rtol(self._parts.config.np_dtype, p)
-                )
-                ws.D[...] = direction
-                self._search(n, force=1)
-                self._eval_and_gram(n)
-                commit_finish(self._parts.launcher, ws)
-                self._parts.calls.synchronize(self._parts.stream)
+                self._fallback(n, p)
             if ws.status_i[layout.I_DONE]:
                 return
+
+    def _device_loop(self, n: int, p: int, graph: LoopGraph) -> None:
+        """Every iteration in one launch, up to the end of the solve or a singular factor.
+
+        Each launch ends the solve or advances the iteration count (the
+        fallback's step counts one), so ``max_iter`` launches always suffice.
+        """
+        ws = self._parts.ws
+        for it in range(self._parts.config.max_iter):
+            graph.launch(self._parts.stream.ptr)
+            self._parts.calls.synchronize(self._parts.stream)
+            if it == 0:
+                raise_if_invalid(ws.status_i)
+            if ws.status_i[layout.I_FALLBACK]:
+                self._fallback(n, p)
+            elif not ws.status_i[layout.I_DONE]:  # pragma: no cover - a kernel bug
+                raise RuntimeError(
+                    "the Newton device loop stopped with the solve still open "
+                    f"after {int(ws.status_i[layout.I_ITER])} iterations"
+                )
+            if ws.status_i[layout.I_DONE]:
+                return
+
+    def _fallback(self, n: int, p: int) -> None:
+        """The factor was singular: the host's direction, its line search and the row pass."""
+        ws = self._parts.ws
+        direction = self._parts.dense.fallback_direction(
+            ws.Hs, ws.g, p, singular_rtol(self._parts.config.np_dtype, p)
+        )
+        ws.D[...] = direction
+        self._search(n, force=1)
+        self._eval_and_gram(n)
+        commit_finish(self._parts.launcher, ws)
+        self._parts.calls.synchronize(self._parts.stream)
+
+    def _loop_graph(self, n: int) -> LoopGraph | None:
+        """The device loop's graph for ``n`` rows (built on first use), or None for the host loop.
+
+        Built only while graphs are on (``device_loop="on"`` tries anyway).
+        A loop that cannot be built turns the device loop off for good
+        (:attr:`DeviceLoop.error` says why), or raises with ``"on"``.
+        """
+        loop, launcher = self._loop, self._parts.launcher
+        if loop is None or not loop.enabled or not (launcher.graphs or loop.mode == "on"):
+            return None
+        key = ("loop", n, self.small_solve)
+        graph = launcher.cached_graph(key)
+        if isinstance(graph, LoopGraph):
+            return graph
+        try:
+            graph = loop.build(self._parts.ws.ctl, lambda: self._step(n))
+        except Exception as exc:  # a driver or a body that a conditional node refuses
+            loop.give_up(exc)
+            return None
+        launcher.keep_graph(key, graph)
+        return graph
 
     def _fused_solve_fits(self, p: int) -> bool:
         """Whether this p×p system goes through the fused one-block kernel.
