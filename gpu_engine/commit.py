@@ -9,6 +9,8 @@ mirror) once the solve has stopped, and returns at once otherwise.
 
 from __future__ import annotations
 
+from typing import Any
+
 from . import layout
 from .launch import Launcher
 from .solver import DenseSolver
@@ -46,7 +48,24 @@ def row_pass(
 
 
 def commit_finish(launcher: Launcher, ws: Workspace) -> None:
-    """``rh_commit_finish``: commit the batch if its solve has stopped (else a no-op)."""
+    """``rh_commit_finish``: commit the batch if its solve has stopped (else a no-op).
+
+    For a wide design (``ws.wide``) the products with J and the update
+    J += sym(C) run first as grid kernels, gated on the same predicate, and
+    the one-block kernel takes J(β − β0) from ``ws.jv``.
+    """
+    jv = 0
+    if ws.wide:
+        wide_symv(launcher, ws, "commit", ws.beta_work, ws.beta, layout.GATE_COMMIT)
+        tiles = -(-ws.p // 32)
+        launcher.launch(
+            ("wide_gram",),
+            "rh_wide_commit_gram",
+            tiles * tiles,
+            layout.WIDE_THREADS,
+            (ws.C, ws.J, ws.p, ws.ctl),
+        )
+        jv = ws.jv
     launcher.launch(
         ("finish",),
         "rh_commit_finish",
@@ -54,8 +73,33 @@ def commit_finish(launcher: Launcher, ws: Workspace) -> None:
         layout.SMALL_THREADS,
         (
             *(ws.C, ws.J, ws.beta_work, ws.beta, ws.p, ws.ctl, ws.beta),
-            *(ws.status_ptr, ws.beta_host_ptr),
+            *(ws.status_ptr, ws.beta_host_ptr, jv),
         ),
+    )
+
+
+def wide_symv(launcher: Launcher, ws: Workspace, key: str, x: Any, x0: Any, gate: int) -> None:
+    """``rh_wide_symv``: ``ws.jv`` = J (x − x0) (``x0`` = 0: J x) when ``gate`` holds.
+
+    Parameters
+    ----------
+    launcher : Launcher
+        The engine's launcher.
+    ws : Workspace
+        The engine's workspace (a wide design).
+    key : str
+        Names the prepared launch (one per call site).
+    x, x0 : cupy.ndarray or 0
+        The vector and what is subtracted from it (0: nothing).
+    gate : int
+        One of ``layout.GATE_*``: the predicate of the kernel that reads ``ws.jv``.
+    """
+    launcher.launch(
+        ("wide_symv", key),
+        "rh_wide_symv",
+        -(-ws.p // 32),
+        layout.ROW_THREADS,
+        (ws.J, ws.p, x, x0, ws.ctl, gate, ws.jv),
     )
 
 

@@ -45,6 +45,9 @@ KERNEL_NAMES: tuple[str, ...] = (
     "rh_lamm_eval",
     "rh_lamm_trials",
     "rh_predict",
+    "rh_wide_symv",
+    "rh_wide_assemble",
+    "rh_wide_commit_gram",
 )
 
 _LOCK = threading.Lock()

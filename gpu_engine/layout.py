@@ -76,6 +76,20 @@ ROWS = 4
 SOLVE_ROWS = 8
 #: Threads of the single-block kernels (p-space work).
 SMALL_THREADS = 512
+#: From this p on, the Newton system's assembly, the products with J and the
+#: commit's J update run as grid kernels (``rh_wide_*``) instead of in one
+#: block: a single multiprocessor reading p×p matrices is latency-bound, and
+#: at p = 2048 those passes cost more than the Gram GEMM. Below it the
+#: one-block kernels are unchanged (same launches, same bits).
+WIDE_MIN_P = 256
+#: Threads of the tile kernels of wide designs (32×32 tiles, 8 rows at a time).
+WIDE_THREADS = 256
+#: Predicates of the gated wide kernels (``rh_wide_symv``'s ``gate``): always,
+#: the solve is open, the commit is due, a LAMM iteration starts.
+GATE_ALWAYS = 0
+GATE_OPEN = 1
+GATE_COMMIT = 2
+GATE_LAMM = 3
 
 
 def cuda_defines() -> str:

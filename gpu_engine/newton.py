@@ -2,7 +2,9 @@
 
 One step graph per iteration: the Cholesky solve of the Newton system
 (``rh_newton_solve``, a fused one-block kernel for small p, else
-``rh_newton_assemble`` + cuSOLVER ``potrf``/``potrs``), ``rh_newton_search``
+``rh_newton_assemble`` + cuSOLVER ``potrf``/``potrs``; for wide designs,
+p ≥ ``layout.WIDE_MIN_P``, the assembly and the products with J are grid
+kernels, ``rh_wide_symv`` and ``rh_wide_assemble``), ``rh_newton_search``
 (all 27 backtracking steps in one pass; its last block decides the step,
 moves β and tests convergence on the device), then the row pass and Gram
 GEMM at the new β, which are both the next iteration's start and, when the
@@ -24,7 +26,7 @@ from rh_dask.core import singular_rtol
 from rh_dask.exceptions import ValidationError
 
 from . import layout
-from .commit import commit_finish, row_pass
+from .commit import commit_finish, row_pass, wide_symv
 from .device_loop import DeviceLoop
 from .inputs import raise_if_invalid
 from .launch import LoopGraph
@@ -202,6 +204,22 @@ class NewtonDriver:
                 (ws.C, ws.J, ws.beta_work, ws.beta, p, ws.ctl, ws.H, ws.Hs, ws.g, ws.D),
                 (p * p + 2 * p) * ws.item,
             )
+        elif ws.wide:
+            # J(β − β0) for g, then H's tiles and g over the grid
+            wide_symv(
+                self._parts.launcher, ws, "assemble", ws.beta_work, ws.beta, layout.GATE_ALWAYS
+            )
+            tiles = -(-p // 32)
+            launch(
+                ("wide_assemble",),
+                "rh_wide_assemble",
+                tiles * tiles + -(-p // layout.WIDE_THREADS),
+                layout.WIDE_THREADS,
+                (ws.C, ws.J, ws.beta, p, ws.ctl, ws.jv, ws.H, ws.Hs, ws.g, ws.D),
+            )
+            self._parts.dense.cholesky_solve(
+                ws.H, ws.D, p, ws.int_ptr(layout.I_INFO), ws.int_ptr(layout.I_INFO_SOLVE)
+            )
         else:
             launch(
                 ("assemble",),
@@ -221,6 +239,8 @@ class NewtonDriver:
         """``rh_newton_search``: the backtracking steps in one pass (``force``: take D as is)."""
         ws, launcher = self._parts.ws, self._parts.launcher
         p = ws.p
+        if ws.wide:  # JD for the step's curvature term, over the grid
+            wide_symv(launcher, ws, "search", ws.D, 0, layout.GATE_OPEN)
         launcher.launch(
             ("search", n, force),
             "rh_newton_search",
@@ -243,6 +263,7 @@ class NewtonDriver:
                 ws.partials,
                 ws.status_ptr,
                 force,
+                ws.jv if ws.wide else 0,
             ),
             p * ws.item,
         )

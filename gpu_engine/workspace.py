@@ -44,6 +44,8 @@ class Workspace:
         self._align = 16 // self.item
         self.generation = 0
         self.p = 0
+        #: Whether p-space work runs as grid kernels (p ≥ ``layout.WIDE_MIN_P``).
+        self.wide = False
         self.rows = 0
         self.ctl = cp.zeros(layout.CTL_BYTES, dtype=np.uint8)
         self.status = PinnedBuffer(cp, layout.CTL_BYTES, mapped=True)
@@ -100,6 +102,9 @@ class Workspace:
         self.Hs = cp.zeros((p, p), dtype=dt)
         self.g = cp.zeros(p, dtype=dt)
         self.D = cp.zeros(p, dtype=dt)
+        # Wide designs: J·v of rh_wide_symv (float64, up to LAMM_ROUND vectors).
+        self.wide = p >= layout.WIDE_MIN_P
+        self.jv = cp.zeros(p * layout.LAMM_ROUND if self.wide else 1, dtype=np.float64)
         self.partials = cp.zeros(self.max_grid * max(32, self.ldp), dtype=np.float64)
         self.rows = 0  # row buffers depend on the strides
         self.generation += 1

@@ -277,6 +277,73 @@ __device__ __forceinline__ void rows_dot(const T* __restrict__ Z, long long ldz,
 }
 
 
+// ---- wide designs (p ≥ RH_WIDE_MIN_P): p-space work spread over the grid ----
+// One block per strip of 32 columns a: y_{k,a} = Σ_b J[b·p + a] v(b, k) in
+// double, warp w adding the rows b ≡ w (mod warps) and warp 0 the warps'
+// sums in warp order: a fixed order, so fixed bits, with the whole device
+// reading J instead of one multiprocessor. Writes out[k·p + a].
+template <int K, typename T, typename V>
+__device__ void wide_symv(const T* __restrict__ J, int p, V v, double* __restrict__ out) {
+  __shared__ double part[K * MAX_WARPS * 32];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
+  const int a = blockIdx.x * 32 + lane;
+  double acc[K];
+#pragma unroll
+  for (int k = 0; k < K; ++k) acc[k] = 0.0;
+  if (a < p) {
+#pragma unroll 8
+    for (int b = warp; b < p; b += nwarps) {
+      const double jab = (double)J[(size_t)b * p + a];
+#pragma unroll
+      for (int k = 0; k < K; ++k) acc[k] += jab * v(b, k);
+    }
+  }
+#pragma unroll
+  for (int k = 0; k < K; ++k) part[(k * nwarps + warp) * 32 + lane] = acc[k];
+  __syncthreads();
+  if (warp == 0 && a < p) {
+#pragma unroll
+    for (int k = 0; k < K; ++k) {
+      double s = 0.0;
+      for (int w = 0; w < nwarps; ++w) s += part[(k * nwarps + w) * 32 + lane];
+      out[(size_t)k * p + a] = s;
+    }
+  }
+}
+
+// One 32×32 tile per block (tile index blockIdx.x, tiles of a fastest) of
+// sym(C)[a, b] = C[max(a, b) + min(a, b)·q], the lower triangle of the
+// column-major q×q C: `sink(a, b, c)` for every (a, b) of the tile inside q.
+// The upper triangle's entries are read through a shared-memory transpose,
+// so that every global load is coalesced.
+template <typename T, typename S>
+__device__ void sym_tile(const T* __restrict__ C, int q, S sink) {
+  __shared__ T tr[32][33];
+  const int tiles = (q + 31) / 32;
+  const int ta = blockIdx.x % tiles, tb = blockIdx.x / tiles;
+  const int x = threadIdx.x & 31, y0 = threadIdx.x >> 5, ny = blockDim.x >> 5;
+  if (ta <= tb) {  // the tile has entries with a < b: stage C[b + a·q] as tr[a][b]
+    for (int r = y0; r < 32; r += ny) {
+      const int b = tb * 32 + x, a = ta * 32 + r;
+      tr[r][x] = (a < q && b < q) ? C[(size_t)b + (size_t)a * q] : T(0);
+    }
+  }
+  __syncthreads();
+  for (int r = y0; r < 32; r += ny) {
+    const int a = ta * 32 + x, b = tb * 32 + r;
+    if (a < q && b < q) sink(a, b, a >= b ? C[(size_t)a + (size_t)b * q] : tr[x][r]);
+  }
+}
+
+// Whether a gated p-space kernel runs (layout.py's GATE_ values: the predicate of the
+// kernel whose input it prepares).
+__device__ __forceinline__ bool gate_open(const int* ci, long long gate) {
+  if (gate == RH_GATE_OPEN) return solve_open(ci);
+  if (gate == RH_GATE_COMMIT) return commit_due(ci);
+  if (gate == RH_GATE_LAMM) return solve_open(ci) && ci[RH_I_TRIALS] == 0;
+  return true;
+}
+
 __device__ __forceinline__ double mask_of(long long a, long long p, const double* ctl) {
   return (ctl[RH_P_FIT_INTERCEPT] != 0.0 && a == p - 1) ? 0.0 : 1.0;
 }
@@ -475,6 +542,76 @@ rh_newton_assemble(const T* __restrict__ C, const T* __restrict__ J,
 }
 
 // ---------------------------------------------------------------------------
+// Wide designs (p ≥ RH_WIDE_MIN_P), the p-space steps as grid kernels: a
+// single block reading a p×p matrix is latency-bound (at p = 2048, several
+// milliseconds per pass, more than the Gram GEMM).
+//
+// rh_wide_symv: out = J v (double), v = x − x0 (x0 null: v = x), by strips
+// of 32 columns per block; a no-op unless `gate` (a GATE_ value of layout.py) holds, so that
+// a graph queues it unconditionally before the kernel that reads `out`.
+// ---------------------------------------------------------------------------
+template <typename T>
+__global__ void __launch_bounds__(RH_ROW_THREADS)
+rh_wide_symv(const T* __restrict__ J, long long p, const T* __restrict__ x,
+             const T* __restrict__ x0, double* __restrict__ ctl, long long gate,
+             double* __restrict__ out) {
+  if (!gate_open(ctl_ints(ctl), gate)) return;
+  if (x0 != nullptr) {
+    wide_symv<1>(J, (int)p, [&](int b, int) { return (double)(x[b] - x0[b]); }, out);
+  } else {
+    wide_symv<1>(J, (int)p, [&](int b, int) { return (double)x[b]; }, out);
+  }
+}
+
+// rh_newton_assemble over the grid: tiles of H = (sym(C) + J)/N + ridge·I
+// (into H and Hs), then ceil(p / blockDim) blocks forming g (and D = g) from
+// jv = J(β − β0) of rh_wide_symv. Grid: tiles² + ceil(p / blockDim) blocks.
+template <typename T>
+__global__ void __launch_bounds__(RH_WIDE_THREADS)
+rh_wide_assemble(const T* __restrict__ C, const T* __restrict__ J,
+                 const T* __restrict__ beta0, long long p, const double* __restrict__ ctl,
+                 const double* __restrict__ jv, T* __restrict__ H, T* __restrict__ Hs,
+                 T* __restrict__ g, T* __restrict__ D) {
+  const int q = (int)p, tiles = (q + 31) / 32;
+  const T inv = (T)ctl[RH_P_INV_TOTAL];
+  if ((int)blockIdx.x >= tiles * tiles) {  // the gradient
+    const int a = ((int)blockIdx.x - tiles * tiles) * (int)blockDim.x + (int)threadIdx.x;
+    if (a < q) {
+      const T hist = (T)ctl[RH_P_HIST];
+      T ga = (T)jv[a] - C[(size_t)a + (size_t)q * q];
+      ga = ga * inv;
+      if (ctl[RH_P_HAS_HIST] != 0.0)
+        ga = ga - mul_rn(hist, (T)(sign_of(beta0[a]) * (T)mask_of(a, q, ctl)));
+      g[a] = ga;
+      D[a] = ga;
+    }
+    return;
+  }
+  const T ridge = (T)ctl[RH_P_RIDGE];
+  sym_tile(C, q, [&](int a, int b, T c) {
+    const size_t idx = (size_t)a + (size_t)b * q;
+    T h = c + J[idx];
+    h = h * inv;
+    if (a == b) h = h + ridge;
+    H[idx] = h;
+    Hs[idx] = h;
+  });
+}
+
+// rh_commit_finish's J ← J + sym(C) over the grid (tiles² blocks), when the
+// commit is due; queued before rh_commit_finish, which then skips it.
+template <typename T>
+__global__ void __launch_bounds__(RH_WIDE_THREADS)
+rh_wide_commit_gram(const T* __restrict__ C, T* __restrict__ J, long long p,
+                    double* __restrict__ ctl) {
+  if (!commit_due(ctl_ints(ctl))) return;
+  sym_tile(C, (int)p, [&](int a, int b, T c) {
+    const size_t idx = (size_t)a + (size_t)b * p;
+    J[idx] = J[idx] + c;
+  });
+}
+
+// ---------------------------------------------------------------------------
 // Newton, step 2 for small systems (one block, everything in shared memory):
 // the assembly of rh_newton_assemble, the Cholesky factorisation H = L Lᵀ
 // (right-looking, two barriers per column) and the two triangular solves
@@ -597,7 +734,8 @@ rh_newton_search(const T* __restrict__ Z, long long ldz, long long n, long long 
                  const T* __restrict__ r, const T* __restrict__ w, const T* __restrict__ D,
                  const T* __restrict__ g, const T* __restrict__ J, const T* __restrict__ L,
                  const T* __restrict__ Hs, double* __restrict__ ctl, T* __restrict__ beta,
-                 double* __restrict__ partials, double* status, long long force) {
+                 double* __restrict__ partials, double* status, long long force,
+                 const double* __restrict__ jv) {
   // The host launches a step only while the solve runs; a refused batch's
   // first step returns here (its status is rh_build's, with the flag).
   if (!solve_open(ctl_ints(ctl))) return;
@@ -642,9 +780,13 @@ rh_newton_search(const T* __restrict__ Z, long long ldz, long long n, long long 
   // ---- last block: decide the iteration ----
   double v[3] = {0.0, 0.0, 0.0};  // gᵀD, DᵀJD, failed checks
   const double rtol = ctl[RH_P_RTOL];
-  block_symv<1>(
-      J, (int)p, [&](int b, int) { return (double)sd[b]; },
-      [&](int a, int, double jd) { v[1] += (double)sd[a] * jd; }, red, MAX_WARPS * 32);
+  if (jv != nullptr) {  // wide: JD from rh_wide_symv
+    for (long long a = threadIdx.x; a < p; a += blockDim.x) v[1] += (double)sd[a] * jv[a];
+  } else {
+    block_symv<1>(
+        J, (int)p, [&](int b, int) { return (double)sd[b]; },
+        [&](int a, int, double jd) { v[1] += (double)sd[a] * jd; }, red, MAX_WARPS * 32);
+  }
   for (long long a = threadIdx.x; a < p; a += blockDim.x) {
     const double da = (double)sd[a];
     v[0] += (double)g[a] * da;
@@ -729,7 +871,8 @@ template <typename T>
 __global__ void __launch_bounds__(RH_SMALL_THREADS)
 rh_commit_finish(const T* __restrict__ C, T* __restrict__ J, const T* __restrict__ beta_w,
                  const T* beta0, long long p, double* __restrict__ ctl, T* beta_out,
-                 double* status, T* __restrict__ beta_host) {
+                 double* status, T* __restrict__ beta_host,
+                 const double* __restrict__ jv) {
   // beta0 and beta_out are the same buffer (the committed β): it is read
   // before the barrier in block_sum and written after it. beta_host is a
   // host-mapped copy, read by the host after it synchronises (no D2H copy).
@@ -742,10 +885,15 @@ rh_commit_finish(const T* __restrict__ C, T* __restrict__ J, const T* __restrict
   const bool has_hist = ctl[RH_P_HAS_HIST] != 0.0;
   __shared__ double scratch[RH_SMALL_THREADS];
   double v[3] = {0.0, 0.0, 0.0};  // ΔᵀJΔ, Δᵀs, ‖β ⊙ m‖₁
-  block_symv<1>(
-      J, (int)p, [&](int b, int) { return (double)(beta_w[b] - beta0[b]); },
-      [&](int a, int, double jd) { v[0] += (double)(beta_w[a] - beta0[a]) * jd; }, scratch,
-      RH_SMALL_THREADS);
+  if (jv != nullptr) {  // wide: JΔ from rh_wide_symv, J + sym(C) by rh_wide_commit_gram
+    for (long long a = threadIdx.x; a < p; a += blockDim.x)
+      v[0] += (double)(beta_w[a] - beta0[a]) * jv[a];
+  } else {
+    block_symv<1>(
+        J, (int)p, [&](int b, int) { return (double)(beta_w[b] - beta0[b]); },
+        [&](int a, int, double jd) { v[0] += (double)(beta_w[a] - beta0[a]) * jd; }, scratch,
+        RH_SMALL_THREADS);
+  }
   for (long long a = threadIdx.x; a < p; a += blockDim.x) {
     const T da = beta_w[a] - beta0[a];
     const double m = mask_of(a, p, ctl);
@@ -755,11 +903,13 @@ rh_commit_finish(const T* __restrict__ C, T* __restrict__ J, const T* __restrict
   block_sum<3>(v, red);  // every thread has read J before anyone writes it
   const int q = (int)p;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
-  for (int b = warp; b < q; b += nwarps)
-    for (int a = lane; a < q; a += 32) {
-      const int hi = a > b ? a : b, lo = a > b ? b : a;
-      J[a + b * q] = J[a + b * q] + C[hi + lo * q];
-    }
+  if (jv == nullptr) {
+    for (int b = warp; b < q; b += nwarps)
+      for (int a = lane; a < q; a += 32) {
+        const int hi = a > b ? a : b, lo = a > b ? b : a;
+        J[a + b * q] = J[a + b * q] + C[hi + lo * q];
+      }
+  }
   for (long long a = threadIdx.x; a < p; a += blockDim.x) {
     beta_out[a] = beta_w[a];
     beta_host[a] = beta_w[a];
