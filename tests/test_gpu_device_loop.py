@@ -1,0 +1,324 @@
+"""The Newton device loop (a CUDA graph WHILE node) against the host loop, bit for bit.
+
+The first tests run everywhere: the option's checks, the driver structures'
+layout and the host side of both loops with the device parts stood in. The
+rest are marked ``gpu`` and skip where CuPy or a CUDA device is missing; on a
+GPU machine:
+
+    PYTHONPATH=. pytest -q -m gpu tests/test_gpu_device_loop.py
+"""
+
+from __future__ import annotations
+
+import ctypes
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+import gpu_engine
+from gpu_engine import driver, layout, newton
+from gpu_engine.device_loop import DeviceLoop
+from gpu_engine.launch import LoopGraph
+from rh_dask import HuberConfig
+from rh_dask.datasets import StreamSpec
+from rh_dask.exceptions import EngineUnavailableError, ValidationError
+
+try:
+    import cupy as cp
+except Exception:  # no CuPy, or a broken CUDA library underneath
+    cp = None
+
+
+def _device_count() -> int:
+    try:
+        return int(cp.cuda.runtime.getDeviceCount()) if cp is not None else 0
+    except Exception:
+        return 0
+
+
+gpu = pytest.mark.gpu
+needs_device = pytest.mark.skipif(_device_count() == 0, reason="no CUDA device visible to CuPy")
+
+
+# -- everywhere ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        ({"device_loop": "sometimes"}, "device_loop must be 'auto', 'on' or 'off'"),
+        ({"device_loop": True}, "device_loop must be 'auto', 'on' or 'off'"),
+        ({"device_loop": "on", "graphs": False}, "device_loop='on' needs graphs=True"),
+    ],
+)
+def test_the_option_is_checked_before_the_device_is_touched(options, message):
+    with pytest.raises(ValidationError, match=message):
+        gpu_engine.GpuEngine(HuberConfig(), **options)
+
+
+def test_driver_structures_have_the_cuda_h_layout():
+    c = driver.ConditionalNodeParams
+    assert (c.handle.offset, c.type.offset, c.size.offset) == (0, 8, 12)
+    assert (c.phGraph_out.offset, c.ctx.offset) == (16, 24)
+    assert ctypes.sizeof(c) == 32
+    p = driver.GraphNodeParams
+    assert (p.type.offset, p.conditional.offset, p.reserved2.offset) == (0, 16, 248)
+    assert ctypes.sizeof(p) == 256
+    params = p()
+    assert bytes(params) == bytes(256)  # every unused byte starts zero
+
+
+class _Status:
+    """The host-mapped status block as the stand-in device leaves it."""
+
+    def __init__(self) -> None:
+        self.status_i = np.zeros(layout.N_INT, dtype=np.int32)
+
+
+def _stand_in_driver(max_iter: int, passes: list[dict[int, int]], monkeypatch):
+    """A NewtonDriver whose device work is replaced by ``passes``.
+
+    Each launch of the loop graph (device loop) or of the step graph (host
+    loop) applies the next entry of ``passes`` to the status block; the
+    fallback clears I_FALLBACK and counts as one iteration.
+    """
+    log: list[str] = []
+    ws = _Status()
+    queue = list(passes)
+
+    def device_pass():
+        log.append("pass")
+        for index, value in queue.pop(0).items():
+            ws.status_i[index] = value
+
+    class Graph(LoopGraph):
+        def __init__(self) -> None:  # no driver: the stand-in runs passes
+            pass
+
+        def launch(self, stream: int) -> None:
+            device_pass()
+
+        def close(self) -> None:
+            pass
+
+    class Launcher:
+        graphs = True
+
+        def __init__(self) -> None:
+            self.cache: dict = {}
+
+        def run(self, key, body):
+            if key[0] == "step":
+                device_pass()
+            else:
+                log.append(key[0])
+
+        def cached_graph(self, key):
+            return self.cache.get(key)
+
+        def keep_graph(self, key, graph):
+            self.cache[key] = graph
+
+    def fallback(n, p):
+        log.append("fallback")
+        ws.status_i[layout.I_FALLBACK] = 0
+        ws.status_i[layout.I_ITER] += 1
+
+    parts = SimpleNamespace(
+        ws=ws,
+        launcher=Launcher(),
+        config=SimpleNamespace(max_iter=max_iter),
+        calls=SimpleNamespace(synchronize=lambda stream: log.append("sync")),
+        stream=SimpleNamespace(ptr=0),
+    )
+    loop = SimpleNamespace(enabled=True, mode="auto", build=lambda ctl, body: Graph())
+    solver = newton.NewtonDriver(parts, "auto", loop)
+    monkeypatch.setattr(solver, "_fused_solve_fits", lambda p: False)
+    monkeypatch.setattr(solver, "_fallback", fallback)
+    parts.ws.ctl = None
+    return solver, log
+
+
+def test_the_device_loop_returns_to_the_host_only_for_a_singular_factor(monkeypatch):
+    passes = [
+        {layout.I_FALLBACK: 1, layout.I_ITER: 2},  # two iterations, then a singular factor
+        {layout.I_ITER: 5, layout.I_DONE: 1, layout.I_COMMITTED: 1},
+    ]
+    solver, log = _stand_in_driver(100, passes, monkeypatch)
+    solver.solve(10, 3)
+    assert solver.device_loop
+    assert log == ["prime", "pass", "sync", "fallback", "pass", "sync"]
+
+
+def test_the_device_loop_stops_at_the_first_sync_of_a_refused_batch(monkeypatch):
+    passes = [{layout.I_INVALID: 1, layout.I_DONE: 1}]
+    solver, log = _stand_in_driver(100, passes, monkeypatch)
+    with pytest.raises(ValidationError, match="finite"):
+        solver.solve(10, 3)
+    assert log == ["prime", "pass", "sync"]
+
+
+def test_a_loop_that_cannot_be_built_falls_back_to_the_host_loop(monkeypatch):
+    passes = [{layout.I_ITER: 1}, {layout.I_ITER: 2, layout.I_DONE: 1}]
+    solver, log = _stand_in_driver(100, passes, monkeypatch)
+    refused = RuntimeError("CUDA_ERROR_NOT_SUPPORTED")
+    loop = DeviceLoop.__new__(DeviceLoop)
+    loop.mode, loop.enabled, loop.error = "auto", True, None
+
+    def build(ctl, body):
+        raise refused
+
+    loop.build = build
+    solver._loop = loop
+    solver.solve(10, 3)
+    assert not solver.device_loop and not loop.enabled
+    assert loop.error == "RuntimeError: CUDA_ERROR_NOT_SUPPORTED"
+    assert log == ["prime", "pass", "sync", "pass", "sync"]  # one sync per iteration
+    loop.mode, loop.enabled = "on", True
+    with pytest.raises(EngineUnavailableError, match="device_loop='on'"):
+        solver.solve(10, 3)
+
+
+# -- on a device -------------------------------------------------------------------------
+
+
+def _stream(features: int, sizes: list[int], dtype: str, seed: int):
+    spec = StreamSpec(n_features=features, seed=seed)
+    X, y = spec.chunk(0, sum(sizes), "float64")
+    out, start = [], 0
+    for size in sizes:
+        out.append((X[start : start + size].astype(dtype), y[start : start + size].astype(dtype)))
+        start += size
+    return out
+
+
+def _fit(config, batches, weights=None, **options):
+    """(diagnostics, state, β mirror bytes, fallback count, device loop used) of one stream."""
+    engine = gpu_engine.GpuEngine(config, **options)
+    calls = []
+    original = engine._dense.fallback_direction
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return original(*args, **kwargs)
+
+    engine._dense.fallback_direction = counted
+    diagnostics = []
+    for i, (X, y) in enumerate(batches):
+        w = None if weights is None else cp.asarray(weights[i])
+        diagnostics.append(engine.partial_fit(cp.asarray(X), cp.asarray(y), w))
+    used = engine._newton.device_loop
+    state = engine.export_state()
+    mirror = engine._ws.beta_host.tobytes()
+    assert engine.coefficients().tobytes() == state.coefficients.tobytes()
+    error = engine.device_loop_error
+    engine.close()
+    return diagnostics, state, mirror, len(calls), used, error
+
+
+def _assert_bit_identical(config, batches, weights=None, **options):
+    on = _fit(config, batches, weights, device_loop="on", **options)
+    off = _fit(config, batches, weights, device_loop="off", **options)
+    assert on[4] is True, f"the device loop was not used: {on[5]}"
+    assert off[4] is False
+    assert on[0] == off[0], "diagnostics differ"
+    assert on[1].equals(off[1]), "states differ"
+    assert on[1].previous_lambda == off[1].previous_lambda
+    assert on[1].weight_sum == off[1].weight_sum
+    assert on[2] == off[2], "β mirrors differ"
+    assert on[3] == off[3], "fallback counts differ"
+    return on
+
+
+@gpu
+@needs_device
+@pytest.mark.parametrize("cholesky", ["auto", "kernel", "cusolver"])
+@pytest.mark.parametrize("dtype", ["float64", "float32"])
+@pytest.mark.parametrize(
+    "features, sizes",
+    [(16, [4096, 4096]), (90, [32768, 32768, 1000]), (32, [65536, 5000]), (256, [4096, 4096])],
+    ids=["latency", "reference", "streaming", "wide"],
+)
+def test_device_loop_gives_the_host_loops_bits(features, sizes, dtype, cholesky):
+    if cholesky == "kernel" and features > 200:
+        pytest.skip("the fused kernel holds the system in shared memory")
+    _assert_bit_identical(
+        HuberConfig(dtype=dtype), _stream(features, sizes, dtype, 3), cholesky=cholesky
+    )
+
+
+@gpu
+@needs_device
+@pytest.mark.parametrize("dtype", ["float64", "float32"])
+def test_weighted_batches_without_intercept_give_the_same_bits(dtype):
+    batches = _stream(20, [6000, 6000, 1500], dtype, 8)
+    rng = np.random.default_rng(8)
+    weights = [rng.integers(0, 4, len(y)).astype(dtype) for _, y in batches]
+    config = HuberConfig(dtype=dtype, fit_intercept=False)
+    _assert_bit_identical(config, batches, weights)
+
+
+@gpu
+@needs_device
+@pytest.mark.parametrize("cholesky", ["kernel", "cusolver"])
+@pytest.mark.parametrize("dtype", ["float64", "float32"])
+def test_singular_factors_exit_to_the_host_and_give_the_same_bits(dtype, cholesky):
+    batches = []
+    for X, y in _stream(6, [800, 800, 500], dtype, 11):
+        batches.append((np.ascontiguousarray(np.column_stack([X, X[:, 2]])), y))
+    on = _assert_bit_identical(HuberConfig(ridge=0.0, dtype=dtype), batches, cholesky=cholesky)
+    assert on[3] > 0, "the duplicated column never reached the host's fallback"
+
+
+@gpu
+@needs_device
+@pytest.mark.parametrize("max_iter", [1, 2, 3])
+def test_the_iteration_cap_is_kept_on_the_device(max_iter):
+    config = HuberConfig(dtype="float64", max_iter=max_iter, tol=1e-14)
+    on = _assert_bit_identical(config, _stream(40, [8000, 8000], "float64", 5))
+    assert all(d.iterations <= max_iter for d in on[0])
+    assert any(d.iterations == max_iter and not d.converged for d in on[0])
+
+
+@gpu
+@needs_device
+@pytest.mark.parametrize("max_iter", [1, 100])
+def test_refused_batches_leave_everything_alone_with_the_device_loop(max_iter):
+    config = HuberConfig(dtype="float32", max_iter=max_iter)
+    (X0, y0), (X1, y1) = _stream(12, [3000, 2000], "float32", 6)
+    engines = []
+    for mode in ("on", "off"):
+        engine = gpu_engine.GpuEngine(config, device_loop=mode)
+        engine.partial_fit(cp.asarray(X0), cp.asarray(y0))
+        before = engine.export_state()
+        mirror = engine._ws.beta_host.tobytes()
+        for row in (0, len(y1) - 1):
+            bad = y1.copy()
+            bad[row] = np.inf
+            with pytest.raises(ValidationError, match="finite"):
+                engine.partial_fit(cp.asarray(X1), cp.asarray(bad))
+            assert engine.export_state().equals(before)
+            assert engine._ws.beta_host.tobytes() == mirror
+        engine.partial_fit(cp.asarray(X1), cp.asarray(y1))
+        assert engine._newton.device_loop is (mode == "on")
+        engines.append(engine)
+    assert engines[0].export_state().equals(engines[1].export_state())
+    for engine in engines:
+        engine.close()
+
+
+@gpu
+@needs_device
+def test_auto_uses_the_device_loop_and_graphs_off_the_host_loop():
+    batches = _stream(10, [2000, 2000], "float64", 2)
+    auto = _fit(HuberConfig(), batches)
+    assert auto[4] is True and auto[5] is None, auto[5]
+    eager = _fit(HuberConfig(), batches, graphs=False)
+    assert eager[4] is False and eager[5] == "CUDA graphs are off (graphs=False)"
+    assert auto[1].equals(eager[1])
+    l1 = gpu_engine.GpuEngine(HuberConfig(penalty="l1"), device_loop="on")
+    for X, y in batches:
+        l1.partial_fit(cp.asarray(X), cp.asarray(y))
+    assert not l1._newton.device_loop  # the LAMM queue is not the Newton loop
+    l1.close()
