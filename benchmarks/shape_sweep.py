@@ -6,6 +6,9 @@ whole stream (empty state → last batch) is timed through:
 * ``rh_numpy``        rh-dask NumPy engine
 * ``rh_gpu_device``   rh-dask GPU engine, CuPy input already on the device
 * ``rh_gpu_eager``    the same without CUDA graphs (do graphs pay?)
+* ``rh_gpu_hostloop`` the same with the Newton iterations driven by the host, one
+                      synchronisation per iteration (``device_loop="off"``; unpenalised
+                      only: does the device loop pay?)
 * ``rh_gpu_cusolver`` / ``rh_gpu_kernel`` the same with the Newton system forced
                       through cuSOLVER potrf/potrs or through the fused one-block
                       Cholesky kernel (unpenalised only: which pays where?)
@@ -173,8 +176,10 @@ def rh_gpu_steady(config, batches, runner, mode):
         options["cholesky"] = "cusolver"
     elif mode == "kernel":
         options["cholesky"] = "kernel"
+    elif mode == "hostloop":
+        options["device_loop"] = "off"
     engine = GpuEngine(config, **options)
-    if mode in ("device", "eager", "cusolver", "kernel"):
+    if mode in ("device", "eager", "cusolver", "kernel", "hostloop"):
         data = [(cp.asarray(X), cp.asarray(y)) for X, y in batches]
     elif mode == "pinned":
         data = []
@@ -201,6 +206,8 @@ def rh_gpu_steady(config, batches, runner, mode):
     result = runner(setup, run)
     result["graphs"] = engine.graphs
     result["graph_error"] = engine.graph_error
+    result["device_loop"] = getattr(engine, "device_loop", False)
+    result["device_loop_error"] = getattr(engine, "device_loop_error", None)
     if config.penalised:
         result["cholesky"] = "none (LAMM)"
     else:
@@ -338,8 +345,9 @@ def sweep(args: argparse.Namespace) -> dict[str, Any]:
                     ("rh_gpu_pinned", "pinned"),
                     ("rh_gpu_cusolver", "cusolver"),
                     ("rh_gpu_kernel", "kernel"),
+                    ("rh_gpu_hostloop", "hostloop"),
                 ):
-                    if mode in ("cusolver", "kernel") and config.penalised:
+                    if mode in ("cusolver", "kernel", "hostloop") and config.penalised:
                         continue  # the Cholesky path only matters to Newton
                     record(name, "steady", rh_gpu_steady, *common, gpu_runner, mode)
                 if args.cold:
@@ -470,6 +478,10 @@ def derive(case: dict[str, Any], bandwidth: float | None) -> dict[str, Any]:
     eager = _median(case, "rh_gpu_eager")
     if eager is not None:
         out["graph_speedup"] = eager / dev
+    hostloop = _median(case, "rh_gpu_hostloop")
+    if hostloop is not None:
+        out["rh_gpu_hostloop_ms_per_batch"] = hostloop * 1e3 / nb
+        out["device_loop_speedup"] = hostloop / dev
     cus, ker = _median(case, "rh_gpu_cusolver"), _median(case, "rh_gpu_kernel")
     if cus is not None and ker is not None:
         out["fused_cholesky_speedup_over_cusolver"] = cus / ker
@@ -589,6 +601,7 @@ ALL_ENGINES = (
     "rh_gpu_eager",
     "rh_gpu_cusolver",
     "rh_gpu_kernel",
+    "rh_gpu_hostloop",
     "rh_gpu_host",
     "rh_gpu_host_serial",
     "rh_gpu_pinned",
