@@ -29,6 +29,11 @@ SHAPES: dict[str, tuple[int, int, int]] = {
     "streaming": (1_000_000, 32, 65_536),
 }
 
+#: Issue 16's wide designs: d features, 4 batches of max(4d, 8192) rows (name -> as SHAPES).
+WIDE_SHAPES: dict[str, tuple[int, int, int]] = {
+    f"wide{d}": (4 * max(4 * d, 8_192), d, max(4 * d, 8_192)) for d in (512, 1024, 2048)
+}
+
 
 def package_versions(names: Iterable[str]) -> dict[str, str | None]:
     """Installed versions of ``names`` (None where not installed)."""

@@ -51,12 +51,15 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from common import SHAPES, environment, fingerprint, summarize, write_json
+from common import SHAPES, WIDE_SHAPES, environment, fingerprint, summarize, write_json
 
 from rh_dask import HuberConfig, NumpyEngine, RenewableHuberRegressor
 from rh_dask.datasets import StreamSpec
 
 SCHEMA = "rh-dask/bench/shape-sweep/1"
+
+#: Every shape the sweep knows: issue 3's four (the default) and issue 16's wide designs.
+ALL_SHAPES = {**SHAPES, **WIDE_SHAPES}
 
 
 #: Competitor's native CUDA engine (v0.6.1), H200 medians per whole stream from an
@@ -77,7 +80,7 @@ COPY_BANDWIDTH = 4.2e12
 
 
 def make_stream(shape: str, dtype: str) -> tuple[list[tuple[np.ndarray, np.ndarray]], str]:
-    rows, features, batch = SHAPES[shape]
+    rows, features, batch = ALL_SHAPES[shape]
     X, y = StreamSpec(n_features=features, seed=7).chunk(0, rows, "float64")
     X, y = np.ascontiguousarray(X, dtype=dtype), np.ascontiguousarray(y, dtype=dtype)
     batches = [(X[s : s + batch], y[s : s + batch]) for s in range(0, rows, batch)]
@@ -305,9 +308,10 @@ def sweep(args: argparse.Namespace) -> dict[str, Any]:
     cpu_runner = Runner(args.repeats, warmup=args.cpu_warmup, budget=args.cpu_budget)
     engines = set(args.engines)
     bandwidth = measured_copy_bandwidth() if "rh_gpu_device" in engines else None
+    peaks = dense_peaks(args) if "rh_gpu_device" in engines else {}
     cases = []
     for shape in args.shapes:
-        rows, features, batch_rows = SHAPES[shape]
+        rows, features, batch_rows = ALL_SHAPES[shape]
         for dtype in args.dtypes:
             batches, digest = make_stream(shape, dtype)
             copies = copy_timings(batches[0][0]) if "rh_gpu_host" in engines else None
@@ -390,15 +394,60 @@ def sweep(args: argparse.Namespace) -> dict[str, Any]:
                         "cold",
                         True,
                     )
-                case["derived"] = derive(case, bandwidth)
+                case["derived"] = derive(case, bandwidth, peaks.get(dtype))
                 cases.append(case)
                 print(one_line(case), flush=True)
                 if args.output:  # a partial file survives a run cut short
-                    write_json(args.output, _payload(args, bandwidth, cases, complete=False))
-    return _payload(args, bandwidth, cases, complete=True)
+                    write_json(
+                        args.output, _payload(args, bandwidth, cases, complete=False, peaks=peaks)
+                    )
+    return _payload(args, bandwidth, cases, complete=True, peaks=peaks)
 
 
-def _payload(args, bandwidth, cases, complete):
+def dense_peaks(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
+    """The device's dense FLOP/s per dtype (a square cupy.matmul), for the wide shapes only."""
+    if not any(shape in WIDE_SHAPES for shape in args.shapes):
+        return {}
+    try:
+        import cupy as cp
+        from gpu_wide_profile import NOMINAL_H200_TFLOPS, measured_peak
+    except ImportError:
+        return {}
+    out = {}
+    for dtype in args.dtypes:
+        peak = measured_peak(cp, dtype)
+        key = "float64_tensor_core" if dtype == "float64" else "float32_vector"
+        out[dtype] = {**peak, "nominal_h200_tflops": NOMINAL_H200_TFLOPS[key]}
+    return out
+
+
+def wide_flops(case: dict[str, Any], dev: float, its: int, peak: dict | None) -> dict[str, Any]:
+    """Dense FLOP of the GPU engine's stream and the rate it achieved against the peak.
+
+    Per Newton iteration one Gram + gradient GEMM (2·n·p·(p+1)) and one
+    Cholesky factorisation (p³/3); per batch one more GEMM (the row pass
+    before the first iteration) and the score variance's Gram (2·n·p²).
+    """
+    n, nb, p = case["batch_rows"], case["batches"], case["features"] + 1
+    gram = 2.0 * n * p * (p + 1)
+    factor = p**3 / 3.0
+    total = (its + nb) * gram + its * factor + nb * 2.0 * n * p * p
+    out: dict[str, Any] = {
+        "gram_flop_per_iteration": gram,
+        "factor_flop_per_iteration": factor,
+        "dense_flop_per_stream": total,
+        "dense_tflops_achieved": total / dev / 1e12,
+    }
+    if peak:
+        out["measured_peak_tflops"] = peak["tflops"]
+        out["fraction_of_measured_peak"] = out["dense_tflops_achieved"] / peak["tflops"]
+        out["fraction_of_nominal_peak"] = (
+            out["dense_tflops_achieved"] / peak["nominal_h200_tflops"]
+        )
+    return out
+
+
+def _payload(args, bandwidth, cases, complete, peaks=None):
     return {
         "schema": SCHEMA,
         "complete": complete,
@@ -412,6 +461,7 @@ def _payload(args, bandwidth, cases, complete):
             "cold_lifecycle": args.cold,
             "copy_bandwidth_bytes_per_second": bandwidth,
             "copy_bandwidth_assumed": COPY_BANDWIDTH,
+            "dense_peak": peaks or {},
             "native_cuda_reference_ms": {f"{s}/{d}": v for (s, d), v in NATIVE_CUDA_MS.items()},
         },
         "cases": cases,
@@ -433,8 +483,14 @@ def _median(case: dict[str, Any], name: str, lifecycle: str = "steady") -> float
     return float(entry["median"])
 
 
-def derive(case: dict[str, Any], bandwidth: float | None) -> dict[str, Any]:
-    """Ratios, per-batch times, per-iteration roofline fraction and the issue's targets."""
+def derive(
+    case: dict[str, Any], bandwidth: float | None, peak: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    """Ratios, per-batch times, per-iteration roofline fraction and the issue's targets.
+
+    ``peak`` (the dtype's measured dense peak) adds, for the wide shapes, the
+    stream's dense FLOP and the fraction of the peak it achieved.
+    """
     out: dict[str, Any] = {}
     out.update(cold_ratio(case))
     dev = _median(case, "rh_gpu_device")
@@ -460,6 +516,11 @@ def derive(case: dict[str, Any], bandwidth: float | None) -> dict[str, Any]:
         out["us_per_iteration"] = per_iter * 1e6
         out["pass_over_Z_us_at_roofline"] = pass_bytes / nb / bw * 1e6
         out["roofline_fraction_per_iteration"] = (pass_bytes / nb / bw) / per_iter
+        if case["shape"] in WIDE_SHAPES:
+            out.update(wide_flops(case, dev, its, peak))
+    opp = out.get("speedup_vs_rh_cupy_opp_device")
+    if case["shape"] in WIDE_SHAPES and opp is not None:
+        out["wide_target_2x_met"] = opp >= 2.0  # issue 16: at least 2x the peer's CuPy backend
     native = NATIVE_CUDA_MS.get((case["shape"], case["dtype"]))
     if native is not None and case["penalty"] == "none":
         out["native_cuda_ms"] = native
@@ -614,7 +675,12 @@ ALL_ENGINES = (
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
+    parser.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(ALL_SHAPES))
+    parser.add_argument(
+        "--wide",
+        action="store_true",
+        help=f"add issue 16's wide designs ({', '.join(WIDE_SHAPES)}) to --shapes",
+    )
     parser.add_argument("--dtypes", nargs="+", default=["float32", "float64"])
     parser.add_argument("--penalties", nargs="+", default=["none", "l1"])
     parser.add_argument("--engines", nargs="+", default=list(ALL_ENGINES), choices=ALL_ENGINES)
@@ -640,6 +706,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.markdown:
         print(markdown(json.loads(Path(args.markdown).read_text())))
         return 0
+    if args.wide:
+        args.shapes = [*args.shapes, *(s for s in WIDE_SHAPES if s not in args.shapes)]
     if args.quick:
         args.repeats = min(args.repeats, 5)
         args.cpu_budget = min(args.cpu_budget, 4.0)
