@@ -155,6 +155,20 @@ def _directory(key: str, value: Any) -> str:
     return value.strip()
 
 
+#: Values of ``rh-dask.gpu.device-loop``.
+DEVICE_LOOP_MODES = ("auto", "on", "off")
+
+
+def _device_loop(key: str, value: Any) -> str:
+    """One of :data:`DEVICE_LOOP_MODES` (YAML's bare on/off arrive as booleans)."""
+    if isinstance(value, bool):
+        return "on" if value else "off"
+    text = value.strip().lower() if isinstance(value, str) else value
+    if text not in DEVICE_LOOP_MODES:
+        raise _refuse(key, " or ".join(f'"{m}"' for m in DEVICE_LOOP_MODES), value)
+    return text
+
+
 #: Values of ``rh-dask.relay.transport``.
 RELAY_TRANSPORTS = ("auto", "tcp", "dask")
 
@@ -272,6 +286,11 @@ class Settings:
         ``rh-dask.gpu.diagnostics``: the GPU engine reports each batch's robust
         diagnostics (mean Huber loss, share beyond τ, residual scale); off by
         default (they cost more than the solve).
+    gpu_device_loop : {"auto", "on", "off"}
+        ``rh-dask.gpu.device-loop``: the GPU engine runs a batch's Newton
+        iterations as one CUDA graph loop on the device (one synchronisation
+        per batch) where it can (``"auto"``), always (``"on"``) or never
+        (``"off"``: one per iteration).
     checkpoint_every_chunks : int
         ``rh-dask.checkpoint.every-chunks``: during a Dask walk, the stream's
         state is copied off the engine's worker after every this many chunks.
@@ -336,6 +355,7 @@ class Settings:
     gpu_hold_gil: bool = True
     gpu_score_variance: bool = True
     gpu_diagnostics: bool = False
+    gpu_device_loop: str = "auto"
     checkpoint_every_chunks: int = 16
     checkpoint_every_seconds: float = 60.0
     max_retries: int = 3
@@ -372,6 +392,7 @@ class Settings:
                 "hold_gil": self.gpu_hold_gil,
                 "score_variance": self.gpu_score_variance,
                 "diagnostics": self.gpu_diagnostics,
+                "device_loop": self.gpu_device_loop,
             }
         if engine == "numpy":
             return {"blas_threads": self.numpy_blas_threads}
@@ -397,6 +418,7 @@ _KEYS: dict[str, tuple[str, Callable[[str, Any], Any]]] = {
     "gpu_hold_gil": ("rh-dask.gpu.hold-gil", _flag),
     "gpu_score_variance": ("rh-dask.gpu.score-variance", _flag),
     "gpu_diagnostics": ("rh-dask.gpu.diagnostics", _flag),
+    "gpu_device_loop": ("rh-dask.gpu.device-loop", _device_loop),
     "checkpoint_every_chunks": ("rh-dask.checkpoint.every-chunks", _count),
     "checkpoint_every_seconds": (
         "rh-dask.checkpoint.every-seconds",

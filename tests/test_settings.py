@@ -87,6 +87,7 @@ def test_values_are_read_from_dask_config_and_text_is_parsed():
         "hold_gil": False,
         "score_variance": False,
         "diagnostics": True,
+        "device_loop": "auto",
     }
     assert settings.engine_options("numpy") == {"blas_threads": 3}
     with pytest.raises(dataclasses.FrozenInstanceError):
@@ -110,6 +111,7 @@ def test_values_are_read_from_dask_config_and_text_is_parsed():
         ("gpu_hold_gil", "", "true or false"),
         ("gpu_score_variance", "x", "true or false"),
         ("gpu_diagnostics", "x", "true or false"),
+        ("gpu_device_loop", "sometimes", '"auto" or "on" or "off"'),
         ("in_process_max_rows", -1, "a whole number >= 0"),
         ("numpy_blas_threads", 0, '"auto" or a whole number >= 1'),
         ("numpy_blas_threads", "all", '"auto" or a whole number >= 1'),
@@ -162,9 +164,11 @@ class _GpuEngine:
         hold_gil=True,
         score_variance=True,
         diagnostics=False,
+        device_loop="auto",
     ):
         self.config, self.device, self.graphs, self.hold_gil = config, device, graphs, hold_gil
         self.score_variance, self.diagnostics = score_variance, diagnostics
+        self.device_loop = device_loop
 
 
 def test_make_engine_passes_the_gpu_settings_to_the_constructor(monkeypatch):
@@ -177,6 +181,8 @@ def test_make_engine_passes_the_gpu_settings_to_the_constructor(monkeypatch):
     stand_in = inspect.signature(_GpuEngine).parameters
     assert all(real[k].default == stand_in[k].default is v for k, v in defaults.items())
     assert all(getattr(Settings(), f"gpu_{k}") is v for k, v in defaults.items())
+    assert real["device_loop"].default == stand_in["device_loop"].default == "auto"
+    assert Settings().gpu_device_loop == "auto"
     fake = types.ModuleType("gpu_engine")
     fake.GpuEngine = engine_class = _GpuEngine
     monkeypatch.setitem(sys.modules, "gpu_engine", fake)
@@ -187,6 +193,9 @@ def test_make_engine_passes_the_gpu_settings_to_the_constructor(monkeypatch):
     assert isinstance(engine, engine_class) and engine.device == "cuda:0"
     assert engine.graphs is False and engine.hold_gil is False
     assert engine.score_variance is False and engine.diagnostics is True
+    assert engine.device_loop == "auto"
+    looped = make_engine("gpu", HuberConfig(), settings=Settings(gpu_device_loop="off"))
+    assert looped.device_loop == "off"
     with dask.config.set({"rh-dask.gpu.graphs": False}):  # read here when not given
         engine = make_engine("gpu", HuberConfig())
     assert engine.graphs is False and engine.hold_gil is True
