@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 import gpu_engine
-from gpu_engine import driver, layout, newton
+from gpu_engine import device_loop, driver, layout, newton
 from gpu_engine.device_loop import DeviceLoop
 from gpu_engine.launch import LoopGraph
 from rh_dask import HuberConfig
@@ -67,6 +67,32 @@ def test_driver_structures_have_the_cuda_h_layout():
     assert ctypes.sizeof(p) == 256
     params = p()
     assert bytes(params) == bytes(256)  # every unused byte starts zero
+
+
+def test_the_loop_kernel_compiles_with_nvrtc_and_no_include_path():
+    """``cudaGraphSetConditional`` needs only its declaration: no header, no ``-rdc``."""
+    nvrtc = pytest.importorskip("test_kernel_compile").NVRTC
+    if nvrtc is None:
+        pytest.skip("NVRTC (nvidia-cuda-nvrtc) is not installed")
+    code = (layout.cuda_defines() + device_loop._PREAMBLES[0] + device_loop._KERNEL).encode()
+    program = ctypes.c_void_p()
+    assert nvrtc.nvrtcCreateProgram(ctypes.byref(program), code, b"loop.cu", 0, None, None) == 0
+    try:
+        options = [b"--std=c++17", b"--gpu-architecture=sm_90"]
+        status = nvrtc.nvrtcCompileProgram(
+            program, len(options), (ctypes.c_char_p * len(options))(*options)
+        )
+        size = ctypes.c_size_t()
+        nvrtc.nvrtcGetProgramLogSize(program, ctypes.byref(size))
+        log = ctypes.create_string_buffer(size.value)
+        nvrtc.nvrtcGetProgramLog(program, log)
+        binary = ctypes.c_size_t(0)
+        nvrtc.nvrtcGetCUBINSize(program, ctypes.byref(binary))
+    finally:
+        nvrtc.nvrtcDestroyProgram(ctypes.byref(program))
+    assert status == 0, log.value.decode(errors="replace")
+    assert not log.value.strip(), log.value.decode(errors="replace")
+    assert binary.value > 0
 
 
 class _Status:
