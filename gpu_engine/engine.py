@@ -33,6 +33,7 @@ from ._cuda import import_cupy, resolve_device
 from .batch import BatchRunner
 from .device_loop import DEVICE_LOOP_MODES, DeviceLoop
 from .driver import DriverCalls
+from .host_pool import device_pool
 from .inputs import BatchInputs
 from .kernels import get_kernels
 from .lamm import LammDriver
@@ -82,7 +83,8 @@ class GpuEngine:
         docs/gpu-engine.md); ``False`` uses CuPy's bindings, which release
         it around every call. The results are the same bits either way.
     copy_threads : int, default=4
-        Threads that copy host (NumPy) batches into pinned staging memory.
+        Threads that copy host (NumPy) batches into pinned staging memory
+        (the process's, shared by the engines asking for as many).
     cholesky : {"auto", "kernel", "cusolver"}, default="auto"
         How the Newton system is factorised. ``"cusolver"``: cuSOLVER
         ``potrf``/``potrs`` on a preallocated workspace. ``"kernel"``: the
@@ -116,13 +118,20 @@ class GpuEngine:
         loop (:attr:`device_loop_error` says why). The results are the same
         bits either way. The L1 solve queues its rounds without
         synchronising already and is not affected.
+    pinned_idle_bytes : int, optional
+        The most bytes of pinned staging memory the process keeps idle for
+        the device's next engine (:mod:`gpu_engine.host_pool`); it bounds
+        the device's pool for every engine of the process from now on.
+        ``None`` (the default) leaves the bound as it is (256 MiB unless set);
+        the estimator passes ``rh-dask.gpu.pinned-idle-bytes``.
 
     Raises
     ------
     ValidationError
         When ``graphs``, ``hold_gil``, ``score_variance`` or ``diagnostics`` is not a bool,
-        ``cholesky`` or ``device_loop`` is not one of its choices, or
-        ``device_loop="on"`` comes with ``graphs=False``.
+        ``cholesky`` or ``device_loop`` is not one of its choices,
+        ``device_loop="on"`` comes with ``graphs=False``, or
+        ``pinned_idle_bytes`` is not a whole number >= 0.
     EngineUnavailableError
         When CuPy, a CUDA driver or the requested device is missing, or
         ``device_loop="on"`` where the driver lacks conditional graph nodes.
@@ -149,8 +158,17 @@ class GpuEngine:
         score_variance: bool = True,
         diagnostics: bool = False,
         device_loop: str = "auto",
+        pinned_idle_bytes: int | None = None,
     ) -> None:
         graphs = _check_flag("graphs", graphs)
+        if pinned_idle_bytes is not None and (
+            isinstance(pinned_idle_bytes, bool)
+            or not isinstance(pinned_idle_bytes, (int, np.integer))
+            or pinned_idle_bytes < 0
+        ):
+            raise ValidationError(
+                f"pinned_idle_bytes must be a whole number >= 0 or None, got {pinned_idle_bytes!r}"
+            )
         self._score_variance = _check_flag("score_variance", score_variance)
         self._diagnostics = _check_flag("diagnostics", diagnostics)
         hold_gil = _check_flag("hold_gil", hold_gil)
@@ -181,7 +199,17 @@ class GpuEngine:
             self._dense = DenseSolver(cp, self._device_id, stream, self._dtype)
             max_grid = BLOCKS_PER_SM * kernels.multiprocessors
             self._ws = Workspace(cp, self._dtype, max_grid)
-            stager = HostStager(cp, self._device_id, self._dtype, copy_threads, calls=self._calls)
+            self._host_pool = device_pool(cp, self._device_id)
+            if pinned_idle_bytes is not None:
+                self._host_pool.max_idle_bytes = int(pinned_idle_bytes)
+            stager = HostStager(
+                cp,
+                self._device_id,
+                self._dtype,
+                copy_threads,
+                calls=self._calls,
+                pool=self._host_pool,
+            )
             self._inputs = BatchInputs(cp, self._device_id, self._dtype, stream, stager)
             self._launcher = Launcher(cp, kernels, self._calls, stream, max_grid, graphs)
             self._state = DeviceState(cp, self._device_id, stream, self._ws)
@@ -211,9 +239,13 @@ class GpuEngine:
         A batch copied there (:meth:`PinnedPool.copy_batch`) reaches this
         engine's device by DMA alone, so the copy runs on the caller's thread
         instead of the engine's. The distributed walk's loading tasks use it.
+        Its buffers are leased from the device's process pool and go back
+        there when the engine closes.
         """
         if self._pinned_pool is None:
-            self._pinned_pool = PinnedPool(self._cp, self._device_id, self._dtype)
+            self._pinned_pool = PinnedPool(
+                self._cp, self._device_id, self._dtype, source=self._host_pool
+            )
         return self._pinned_pool
 
     # -- interface properties -----------------------------------------------------
@@ -308,7 +340,11 @@ class GpuEngine:
         self._state.load(state, self.config.fit_intercept, self._dtype)
 
     def close(self) -> None:
-        """Release pinned memory, worker threads and library handles."""
+        """Give pinned memory and library handles back to the process's pools; free the rest.
+
+        Only this engine's leases go back (another live engine's are its own),
+        once the copies out of them are over.
+        """
         if getattr(self, "_closed", True):
             return
         self._closed = True

@@ -13,6 +13,9 @@ Host input
     batch i+1 can be copied (host memcpy into pinned memory by a few threads,
     each chunk's DMA issued as soon as it is in pinned memory) while batch i
     is being solved. Memory that is already pinned is copied by DMA directly.
+    The slots' pinned memory is leased from the process's pool of the device
+    (:mod:`.host_pool`) and the copy threads are the process's, so that a
+    fresh engine pays neither ``cudaHostAlloc`` nor thread start-up again.
 
 Pinned pool
     :class:`PinnedPool` lets threads other than the engine's (the tasks that
@@ -25,7 +28,8 @@ from __future__ import annotations
 import ctypes
 import threading
 import weakref
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections import deque
+from concurrent.futures import Future
 from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
@@ -36,6 +40,7 @@ from rh_dask.exceptions import ValidationError
 from rh_dask.validation import DLPACK_CUDA, DLPACK_DEVICE_NAMES
 
 from .driver import DriverCalls
+from .host_pool import HostMemoryPool, PinnedLease, copy_executor, device_pool, prefetch_executor
 
 #: Rows of one staging chunk are sized to about this many bytes.
 CHUNK_BYTES = 4 << 20
@@ -143,6 +148,9 @@ class PinnedBuffer:
 #: different lengths (DataFrame partitions) reuse the same buffers.
 POOL_GRANULE = 1 << 20
 
+#: A buffer of :class:`PinnedPool`: its own, or leased from the process's pool.
+_Pinned = PinnedBuffer | PinnedLease
+
 
 class PinnedPool:
     """Reusable page-locked host buffers that any thread copies batches into.
@@ -162,14 +170,25 @@ class PinnedPool:
         The device whose context allocates the buffers.
     dtype : numpy.dtype
         The engine's dtype; batches must already have it.
+    source : HostMemoryPool, optional
+        Where buffers come from and go back to (the engine passes its
+        device's process pool, so buffers outlive the engine); default:
+        allocated and freed by this pool itself.
     """
 
-    def __init__(self, cp: ModuleType, device_id: int, dtype: np.dtype) -> None:
+    def __init__(
+        self,
+        cp: ModuleType,
+        device_id: int,
+        dtype: np.dtype,
+        source: HostMemoryPool | None = None,
+    ) -> None:
         self._cp = cp
         self._device_id = device_id
         self._dtype = np.dtype(dtype)
+        self._source = source
         self._lock = threading.Lock()
-        self._idle: list[PinnedBuffer] = []
+        self._idle: list[_Pinned] = []
         self._leased = 0
         self._closed = False
         self._growing = False
@@ -221,7 +240,7 @@ class PinnedPool:
             np.copyto(out_w, w)
         return out_X, out_y, out_w
 
-    def _lease_idle(self, size: int) -> PinnedBuffer | None:
+    def _lease_idle(self, size: int) -> _Pinned | None:
         """The smallest idle buffer of at least ``size`` bytes, leased (call with the lock)."""
         if self._closed:
             raise RuntimeError("the pinned pool is closed")
@@ -233,7 +252,7 @@ class PinnedPool:
         self._leased += 1
         return buffer
 
-    def _take_idle(self, nbytes: int) -> PinnedBuffer | None:
+    def _take_idle(self, nbytes: int) -> _Pinned | None:
         """An idle buffer of at least ``nbytes``, or None (then one is added in the background)."""
         size = -(-nbytes // POOL_GRANULE) * POOL_GRANULE
         with self._lock:
@@ -251,7 +270,7 @@ class PinnedPool:
             with self._lock:
                 self._growing = False
             return
-        drop: PinnedBuffer | None = buffer
+        drop: _Pinned | None = buffer
         with self._lock:
             self._growing = False
             if not self._closed:
@@ -266,7 +285,7 @@ class PinnedPool:
         if drop is not None:
             drop.free()
 
-    def _take(self, nbytes: int) -> PinnedBuffer:
+    def _take(self, nbytes: int) -> _Pinned:
         size = -(-nbytes // POOL_GRANULE) * POOL_GRANULE
         with self._lock:
             buffer = self._lease_idle(size)
@@ -289,11 +308,13 @@ class PinnedPool:
             self.allocated_bytes += buffer.nbytes
         return buffer
 
-    def _allocate(self, size: int) -> PinnedBuffer:
+    def _allocate(self, size: int) -> _Pinned:
+        if self._source is not None:
+            return self._source.lease(size)  # its free() gives it back to the source
         with self._cp.cuda.Device(self._device_id):
             return PinnedBuffer(self._cp, size)
 
-    def _give(self, buffer: PinnedBuffer) -> None:
+    def _give(self, buffer: _Pinned) -> None:
         with self._lock:
             self._leased -= 1
             if not self._closed:
@@ -313,14 +334,19 @@ class PinnedPool:
 
 
 class _Slot:
-    """One staging slot: pinned host buffers, device buffers, and their events."""
+    """One staging slot: pinned host buffers, device buffers, and their events.
 
-    def __init__(self, cp: ModuleType, dtype: np.dtype) -> None:
+    The pinned buffer is leased from ``pool`` for as long as the slot keeps
+    its size, and given back (fenced by ``copied``) when it grows or closes.
+    """
+
+    def __init__(self, cp: ModuleType, dtype: np.dtype, pool: HostMemoryPool) -> None:
         self.cp = cp
         self.dtype = np.dtype(dtype)
+        self.pool = pool
         self.rows = 0
         self.cols = 0
-        self.host: PinnedBuffer | None = None
+        self.host: PinnedLease | None = None
         self.device: Any = None
         self.copied = cp.cuda.Event(disable_timing=True)  # DMA out of the pinned buffer done
         self.ready = cp.cuda.Event(disable_timing=True)  # device buffers hold the batch
@@ -337,11 +363,18 @@ class _Slot:
             return
         rows = max(n, self.rows if d == self.cols else 0)
         count = rows * (d + 2)  # X, then y, then w
-        if self.host is not None:
-            self.host.free()
-        self.host = PinnedBuffer(self.cp, count * self.dtype.itemsize)
+        self.release()
+        self.host = self.pool.lease(count * self.dtype.itemsize)
+        # The pool waits for this event before anyone else writes the memory.
+        self.host.fence = self.copied
         self.device = self.cp.empty(count, dtype=self.dtype)
         self.rows, self.cols = rows, d
+
+    def release(self) -> None:
+        """Give the pinned buffer back to the pool (its copies are fenced by ``copied``)."""
+        host, self.host = self.host, None
+        if host is not None:
+            host.free()
 
 
 @dataclass
@@ -377,6 +410,16 @@ class HostStager:
     calls : DriverCalls, optional
         Queues the copies and stream waits (the engine passes its own;
         default: a :class:`DriverCalls` that keeps the interpreter lock).
+    pool : HostMemoryPool, optional
+        Leases the slots' pinned memory (default: the process's pool of
+        ``device_id``, :func:`.host_pool.device_pool`).
+
+    Notes
+    -----
+    The copy threads and the prefetch threads are the process's
+    (:func:`.host_pool.copy_executor`, :func:`.host_pool.prefetch_executor`),
+    shared with every other engine; :meth:`close` waits for this stager's own
+    work only.
     """
 
     def __init__(
@@ -386,19 +429,26 @@ class HostStager:
         dtype: np.dtype,
         threads: int = 4,
         calls: DriverCalls | None = None,
+        pool: HostMemoryPool | None = None,
     ) -> None:
         self._cp = cp
         self._calls = calls if calls is not None else DriverCalls(cp)
         self._device_id = device_id
         self._dtype = np.dtype(dtype)
+        self.pool = pool if pool is not None else device_pool(cp, device_id)
         with cp.cuda.Device(device_id):
             self.stream = cp.cuda.Stream(non_blocking=True)
-            self._slots = [_Slot(cp, dtype), _Slot(cp, dtype)]
+            self._slots = [_Slot(cp, dtype, self.pool), _Slot(cp, dtype, self.pool)]
         self._next = 0
         self._lock = threading.Lock()
         self._threads = max(1, int(threads))
-        self._pool: ThreadPoolExecutor | None = None
-        self._prefetcher: ThreadPoolExecutor | None = None
+        # Prefetches submitted and not yet known to be over (close waits for them),
+        # and those waiting for this stager's turn on the shared prefetch threads:
+        # one task at a time drains them in submission order.
+        self._inflight: list[Future[StagedBatch]] = []
+        self._queue: deque[tuple[Future[StagedBatch], tuple[Any, ...]]] = deque()
+        self._queue_lock = threading.Lock()
+        self._draining = False
         self._pending: tuple[tuple[int, int, int], Any, tuple[Any, ...]] | None = None
 
     # -- staging --------------------------------------------------------------------
@@ -515,10 +565,17 @@ class HostStager:
             for lo, hi in bounds:
                 chunk(lo, hi)
             return
-        if self._pool is None:
-            self._pool = ThreadPoolExecutor(self._threads, thread_name_prefix="rh-dask-stage")
-        for future in [self._pool.submit(chunk, lo, hi) for lo, hi in bounds]:
-            future.result()
+        executor = copy_executor(self._threads)
+        futures = [executor.submit(chunk, lo, hi) for lo, hi in bounds]
+        for future in futures:
+            # Every chunk is waited for, even after one failed: none may still
+            # write into the slot once this returns.
+            try:
+                future.result()
+            except BaseException:
+                for other in futures:
+                    other.exception()
+                raise
 
     # -- prefetch -------------------------------------------------------------------
     def prefetch(self, X: np.ndarray, y: np.ndarray, w: np.ndarray | None) -> None:
@@ -540,10 +597,38 @@ class HostStager:
             except Exception as exc:  # re-raised by take(), as from the thread
                 future.set_exception(exc)
         else:
-            if self._prefetcher is None:
-                self._prefetcher = ThreadPoolExecutor(1, thread_name_prefix="rh-dask-prefetch")
-            future = self._prefetcher.submit(self.stage, X, y, w)
+            future = self._submit((X, y, w))
+            self._inflight = [f for f in self._inflight if not f.done()]
+            self._inflight.append(future)
         self._pending = ((id(X), id(y), id(w)), future, (X, y, w))
+
+    def _submit(self, arrays: tuple[Any, ...]) -> Future[StagedBatch]:
+        """Queue a staging for the process's prefetch threads, after this stager's earlier ones."""
+        future: Future[StagedBatch] = Future()
+        with self._queue_lock:
+            self._queue.append((future, arrays))
+            start, self._draining = not self._draining, True
+        if start:
+            try:
+                prefetch_executor().submit(self._drain)
+            except RuntimeError:  # interpreter shutdown: no new threads, stage here
+                self._drain()
+        return future
+
+    def _drain(self) -> None:
+        """Stage this stager's queued prefetches in order (one drain task at a time)."""
+        while True:
+            with self._queue_lock:
+                if not self._queue:
+                    self._draining = False
+                    return
+                future, arrays = self._queue.popleft()
+            if not future.set_running_or_notify_cancel():
+                continue
+            try:
+                future.set_result(self.stage(*arrays))
+            except BaseException as exc:  # re-raised by take()
+                future.set_exception(exc)
 
     def take(self, X: np.ndarray, y: np.ndarray, w: np.ndarray | None) -> StagedBatch | None:
         """The prefetched staging of exactly these arrays, or None.
@@ -569,14 +654,12 @@ class HostStager:
                 pass
 
     def close(self) -> None:
+        """Wait for this stager's copies and give its pinned memory back to the pool."""
         self.discard_pending()
-        for pool in (self._pool, self._prefetcher):
-            if pool is not None:
-                pool.shutdown(wait=True)
-        self._pool = self._prefetcher = None
+        inflight, self._inflight = self._inflight, []
+        for future in inflight:
+            future.exception()  # waits; a dropped prefetch's error is of no use now
         for slot in self._slots:
             slot.copied.synchronize()
             slot.sources = ()
-            if slot.host is not None:
-                slot.host.free()
-                slot.host = None
+            slot.release()

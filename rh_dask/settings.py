@@ -291,6 +291,10 @@ class Settings:
         iterations as one CUDA graph loop on the device (one synchronisation
         per batch) where it can (``"auto"``), always (``"on"``) or never
         (``"off"``: one per iteration).
+    gpu_pinned_idle_bytes : int
+        ``rh-dask.gpu.pinned-idle-bytes``: the most bytes of pinned staging
+        memory the process keeps idle per device for the next GPU engine
+        (0: none kept, every engine pins and frees its own).
     checkpoint_every_chunks : int
         ``rh-dask.checkpoint.every-chunks``: during a Dask walk, the stream's
         state is copied off the engine's worker after every this many chunks.
@@ -356,6 +360,7 @@ class Settings:
     gpu_score_variance: bool = True
     gpu_diagnostics: bool = False
     gpu_device_loop: str = "auto"
+    gpu_pinned_idle_bytes: int = 256 << 20
     checkpoint_every_chunks: int = 16
     checkpoint_every_seconds: float = 60.0
     max_retries: int = 3
@@ -393,6 +398,7 @@ class Settings:
                 "score_variance": self.gpu_score_variance,
                 "diagnostics": self.gpu_diagnostics,
                 "device_loop": self.gpu_device_loop,
+                "pinned_idle_bytes": self.gpu_pinned_idle_bytes,
             }
         if engine == "numpy":
             return {"blas_threads": self.numpy_blas_threads}
@@ -419,6 +425,7 @@ _KEYS: dict[str, tuple[str, Callable[[str, Any], Any]]] = {
     "gpu_score_variance": ("rh-dask.gpu.score-variance", _flag),
     "gpu_diagnostics": ("rh-dask.gpu.diagnostics", _flag),
     "gpu_device_loop": ("rh-dask.gpu.device-loop", _device_loop),
+    "gpu_pinned_idle_bytes": ("rh-dask.gpu.pinned-idle-bytes", _bytes),
     "checkpoint_every_chunks": ("rh-dask.checkpoint.every-chunks", _count),
     "checkpoint_every_seconds": (
         "rh-dask.checkpoint.every-seconds",

@@ -64,6 +64,7 @@ def test_values_are_read_from_dask_config_and_text_is_parsed():
             "rh-dask.gpu.hold-gil": "0",
             "rh-dask.gpu.score-variance": "no",
             "rh-dask.gpu.diagnostics": "on",
+            "rh-dask.gpu.pinned-idle-bytes": "64 MiB",
             "rh-dask.cli.in-process-max-rows": "1_000",
             "rh-dask.numpy.blas-threads": "3",
         }
@@ -80,6 +81,7 @@ def test_values_are_read_from_dask_config_and_text_is_parsed():
         gpu_hold_gil=False,
         gpu_score_variance=False,
         gpu_diagnostics=True,
+        gpu_pinned_idle_bytes=64 * 2**20,
         numpy_blas_threads=3,
     )
     assert settings.engine_options("gpu") == {
@@ -88,6 +90,7 @@ def test_values_are_read_from_dask_config_and_text_is_parsed():
         "score_variance": False,
         "diagnostics": True,
         "device_loop": "auto",
+        "pinned_idle_bytes": 64 * 2**20,
     }
     assert settings.engine_options("numpy") == {"blas_threads": 3}
     with pytest.raises(dataclasses.FrozenInstanceError):
@@ -165,10 +168,12 @@ class _GpuEngine:
         score_variance=True,
         diagnostics=False,
         device_loop="auto",
+        pinned_idle_bytes=None,
     ):
         self.config, self.device, self.graphs, self.hold_gil = config, device, graphs, hold_gil
         self.score_variance, self.diagnostics = score_variance, diagnostics
         self.device_loop = device_loop
+        self.pinned_idle_bytes = pinned_idle_bytes
 
 
 def test_make_engine_passes_the_gpu_settings_to_the_constructor(monkeypatch):
@@ -187,7 +192,11 @@ def test_make_engine_passes_the_gpu_settings_to_the_constructor(monkeypatch):
     fake.GpuEngine = engine_class = _GpuEngine
     monkeypatch.setitem(sys.modules, "gpu_engine", fake)
     explicit = Settings(
-        gpu_graphs=False, gpu_hold_gil=False, gpu_score_variance=False, gpu_diagnostics=True
+        gpu_graphs=False,
+        gpu_hold_gil=False,
+        gpu_score_variance=False,
+        gpu_diagnostics=True,
+        gpu_pinned_idle_bytes=0,
     )
     engine = make_engine("gpu", HuberConfig(), "cuda:0", settings=explicit)
     assert isinstance(engine, engine_class) and engine.device == "cuda:0"
@@ -196,9 +205,12 @@ def test_make_engine_passes_the_gpu_settings_to_the_constructor(monkeypatch):
     assert engine.device_loop == "auto"
     looped = make_engine("gpu", HuberConfig(), settings=Settings(gpu_device_loop="off"))
     assert looped.device_loop == "off"
+    assert engine.pinned_idle_bytes == 0
+    assert "pinned_idle_bytes" in real  # the real constructor takes it too
     with dask.config.set({"rh-dask.gpu.graphs": False}):  # read here when not given
         engine = make_engine("gpu", HuberConfig())
     assert engine.graphs is False and engine.hold_gil is True
+    assert engine.pinned_idle_bytes == 256 * 2**20
     with dask.config.set({"rh-dask.gpu.graphs": "often"}), pytest.raises(SettingError):
         make_engine("gpu", HuberConfig())
     with dask.config.set({"rh-dask.gpu.graphs": "often"}):
