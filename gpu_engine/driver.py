@@ -306,7 +306,8 @@ class GraphCalls:
                 ctypes.byref(node), graph, None, 0, ctypes.byref(params)
             )
         self._check(status)
-        body = params.conditional.phGraph_out[0]
+        out = params.conditional.phGraph_out
+        body = out[0] if out else None
         if not body:
             raise RuntimeError("cuGraphAddNode returned no body graph for the WHILE node")
         return int(handle.value), int(body)

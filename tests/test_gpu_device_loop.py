@@ -95,6 +95,69 @@ def test_the_loop_kernel_compiles_with_nvrtc_and_no_include_path():
     assert binary.value > 0
 
 
+class _FakeGraphCalls:
+    """Records the driver calls a LoopGraph makes (no driver needed)."""
+
+    def __init__(self) -> None:
+        self.log: list = []
+
+    def create_graph(self):
+        self.log.append("create")
+        return 11
+
+    def current_context(self):
+        return 5
+
+    def add_while_node(self, graph, ctx, default):
+        self.log.append(("while", graph, ctx, default))
+        return 77, 12
+
+    def begin_capture_to_graph(self, stream, graph):
+        self.log.append(("capture", stream, graph))
+
+    def end_capture(self, stream, check=True):
+        self.log.append(("end", check))
+
+    def instantiate(self, graph):
+        self.log.append(("instantiate", graph))
+        return 13
+
+    def destroy_exec(self, graph_exec):
+        self.log.append(("destroy_exec", graph_exec))
+
+    def destroy_graph(self, graph):
+        self.log.append(("destroy", graph))
+
+
+def test_a_loop_graph_captures_its_body_into_the_while_node_and_cleans_up_on_failure():
+    calls = SimpleNamespace(launched=[])
+    calls.graph_launch = lambda graph_exec, stream: calls.launched.append((graph_exec, stream))
+    stream = SimpleNamespace(ptr=3)
+    fake = _FakeGraphCalls()
+    bodies = []
+    graph = LoopGraph(fake, calls, stream, bodies.append)
+    assert bodies == [77]  # the body gets the condition's handle
+    assert fake.log == [
+        "create",
+        ("while", 11, 5, 1),  # the condition is 1 at every launch: one pass at least
+        ("capture", 3, 12),
+        ("end", True),
+        ("instantiate", 11),
+    ]
+    graph.launch(3)
+    assert calls.launched == [(13, 3)]
+    graph.close()
+    assert fake.log[-2:] == [("destroy_exec", 13), ("destroy", 11)]
+
+    def refused(handle):
+        raise RuntimeError("not in a conditional body")
+
+    fake = _FakeGraphCalls()
+    with pytest.raises(RuntimeError, match="conditional body"):
+        LoopGraph(fake, calls, stream, refused)
+    assert fake.log[-2:] == [("end", False), ("destroy", 11)]
+
+
 class _Status:
     """The host-mapped status block as the stand-in device leaves it."""
 
