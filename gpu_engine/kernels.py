@@ -48,6 +48,8 @@ KERNEL_NAMES: tuple[str, ...] = (
     "rh_wide_symv",
     "rh_wide_assemble",
     "rh_wide_commit_gram",
+    "rh_wide_lamm_symv",
+    "rh_lamm_trials_wide",
 )
 
 _LOCK = threading.Lock()

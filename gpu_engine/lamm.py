@@ -15,7 +15,7 @@ from rh_dask.core import LAMM_MAX_TRIALS
 from rh_dask.exceptions import ValidationError
 
 from . import layout
-from .commit import commit
+from .commit import commit, wide_symv
 from .inputs import raise_if_invalid
 from .parts import DeviceParts
 
@@ -68,11 +68,13 @@ class LammDriver:
                 return
             queue *= 2
 
-    def _shape(self) -> tuple[int, int, int]:
+    def _shape(self) -> tuple[int, int, int, bool]:
         """Threads and dynamic shared memory of the LAMM kernels for this p.
 
-        Sets the kernels' shared-memory limits, which must not happen during
-        a graph capture.
+        The last item says whether the trials take J e_k from
+        ``rh_wide_lamm_symv`` (a wide design whose steps fit in its shared
+        memory beside the strip sums). Sets the kernels' shared-memory
+        limits, which must not happen during a graph capture.
         """
         ws, k = self._parts.ws, self._parts.kernels
         per_warp = ws.ldp * 8
@@ -92,14 +94,27 @@ class LammDriver:
                 f"{(k.max_shared - 8 * 1024) // (layout.LAMM_ROUND * ws.item)} parameters"
             )
         k.allow_shared("rh_lamm_trials", trial_shared)
-        return warps * 32, shared, trial_shared
+        # rh_wide_lamm_symv's static strip sums: LAMM_ROUND × warps × 32 doubles.
+        strips = layout.LAMM_ROUND * (layout.ROW_THREADS // 32) * 32 * 8
+        wide_trials = ws.wide and trial_shared + strips + 1024 <= k.max_shared
+        if wide_trials:
+            k.allow_shared("rh_wide_lamm_symv", trial_shared)
+            k.allow_shared("rh_lamm_trials_wide", trial_shared)
+        return warps * 32, shared, trial_shared, wide_trials
 
-    def _rounds(self, n: int, rounds: int, shape: tuple[int, int, int]) -> None:
-        """Queue ``rounds`` LAMM rounds (eval, then trials) for the ``n``-row batch."""
+    def _rounds(self, n: int, rounds: int, shape: tuple[int, int, int, bool]) -> None:
+        """Queue ``rounds`` LAMM rounds (eval, then trials) for the ``n``-row batch.
+
+        For a wide design the products with J come from grid kernels queued
+        before each (``rh_wide_symv``, ``rh_wide_lamm_symv``), gated on the
+        same predicates as the kernels that read them.
+        """
         ws, launcher = self._parts.ws, self._parts.launcher
         p = ws.p
-        threads, shared, trial_shared = shape
+        threads, shared, trial_shared, wide_trials = shape
         for _ in range(rounds):
+            if ws.wide:
+                wide_symv(launcher, ws, "lamm_eval", ws.beta_work, ws.beta, layout.GATE_LAMM)
             launcher.launch(
                 ("lamm_eval", n),
                 "rh_lamm_eval",
@@ -120,28 +135,37 @@ class LammDriver:
                     ws.r,
                     ws.g,
                     ws.partials,
+                    ws.jv if ws.wide else 0,
                 ),
                 shared,
             )
-            launcher.launch(
-                ("lamm_trials", n),
-                "rh_lamm_trials",
-                launcher.grid(n),
-                layout.ROW_THREADS,
-                (
-                    ws.Z,
-                    ws.ldz,
-                    n,
-                    p,
-                    ws.ldp,
-                    ws.r,
-                    ws.w,
-                    ws.g,
-                    ws.J,
-                    ws.ctl,
-                    ws.beta_work,
-                    ws.partials,
-                    ws.status_ptr,
-                ),
-                trial_shared,
+            trial_args: tuple = (
+                *(ws.Z, ws.ldz, n, p, ws.ldp, ws.r, ws.w, ws.g, ws.J, ws.ctl),
+                *(ws.beta_work, ws.partials, ws.status_ptr),
             )
+            if wide_trials:
+                launcher.launch(
+                    ("wide_lamm_symv",),
+                    "rh_wide_lamm_symv",
+                    -(-p // 32),
+                    layout.ROW_THREADS,
+                    (ws.J, p, ws.ldp, ws.beta_work, ws.g, ws.ctl, ws.jv),
+                    trial_shared,
+                )
+                launcher.launch(
+                    ("lamm_trials", n),
+                    "rh_lamm_trials_wide",
+                    launcher.grid(n),
+                    layout.ROW_THREADS,
+                    (*trial_args, ws.jv),
+                    trial_shared,
+                )
+            else:
+                launcher.launch(
+                    ("lamm_trials", n),
+                    "rh_lamm_trials",
+                    launcher.grid(n),
+                    layout.ROW_THREADS,
+                    trial_args,
+                    trial_shared,
+                )

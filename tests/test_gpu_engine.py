@@ -190,6 +190,37 @@ def test_rank_deficient_design_takes_the_fallback_like_the_reference(dtype):
     gpu.close()
 
 
+@pytest.mark.parametrize("penalty", ["none", "l1"])
+@pytest.mark.parametrize("dtype", ["float64", "float32"])
+def test_wide_designs_match_the_reference_and_repeat_bit_for_bit(dtype, penalty):
+    """p = 601 (not a multiple of the 32-wide tiles) takes the grid kernels of wide designs."""
+    from gpu_engine import layout
+
+    batches = _stream(600, [2400, 2400, 700], dtype, seed=13)
+    config = HuberConfig(penalty=penalty, dtype=dtype)
+    gpu, _ = _differential(config, batches, device_input=True)
+    assert gpu._ws.wide and gpu._ws.p >= layout.WIDE_MIN_P
+    graphs = gpu.export_state()
+    gpu.close()
+    for options in ({"graphs": False}, {}):
+        again = GpuEngine(config, **options)
+        for X, y in batches:
+            again.partial_fit(cp.asarray(X), cp.asarray(y))
+        assert again.export_state().equals(graphs), options
+        again.close()
+
+
+def test_wide_rank_deficient_design_takes_the_fallback_like_the_reference():
+    batches = []
+    for X, y in _stream(300, [1500, 1500], "float64", seed=17):
+        batches.append((np.ascontiguousarray(np.column_stack([X, X[:, 2]])), y))
+    config = HuberConfig(ridge=0.0)
+    gpu, _ = _differential(config, batches)
+    beta = gpu.coefficients()
+    _assert_close(beta[2], beta[300], "float64", "duplicate columns")
+    gpu.close()
+
+
 @pytest.mark.parametrize("case", load_cases(), ids=lambda c: c.name)
 def test_golden_corpus_replays_on_the_gpu(case):
     replay_case(case, lambda config: GpuEngine(config))

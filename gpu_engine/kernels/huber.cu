@@ -348,6 +348,29 @@ __device__ __forceinline__ double mask_of(long long a, long long p, const double
   return (ctl[RH_P_FIT_INTERCEPT] != 0.0 && a == p - 1) ? 0.0 : 1.0;
 }
 
+// The LAMM round's steps e_k = S(β − g/φ_k, λm/φ_k) − β, φ_k = 2^k φ, into E
+// ([RH_LAMM_ROUND][ldp], shared memory), by the whole block; ends with a barrier.
+// rh_lamm_trials and rh_wide_lamm_symv form them with this same code.
+template <typename T>
+__device__ __forceinline__ void lamm_steps(T* E, long long p, long long ldp,
+                                           const T* __restrict__ beta,
+                                           const T* __restrict__ g,
+                                           const double* __restrict__ ctl) {
+  const double phi0 = ctl[RH_S_PHI];
+  const T lam = (T)ctl[RH_P_LAM];
+  for (int k = 0; k < RH_LAMM_ROUND; ++k)
+  for (int j = threadIdx.x; j < (int)p; j += blockDim.x) {
+    const T ip = (T)(1.0 / (phi0 * ldexp(1.0, k)));
+    const T bj = beta[j];
+    const T x = bj - mul_rn(g[j], ip);
+    const T thr = mul_rn((T)mask_of(j, p, ctl) * lam, ip);
+    const T mag = absv(x) - thr;
+    const T c = sign_of(x) * (mag > T(0) ? mag : T(0));
+    E[(size_t)k * ldp + j] = c - bj;
+  }
+  __syncthreads();
+}
+
 // The Newton system at β (one block of RH_SMALL_THREADS threads):
 // H = (sym(C) + J)/N + ridge·I into H1 and H2, and
 // g = (JΔ − Zᵀwψ)/N − hist·s into g1 and g2 (Δ = β − β0, s = sign(β0)).
@@ -609,6 +632,23 @@ rh_wide_commit_gram(const T* __restrict__ C, T* __restrict__ J, long long p,
     const size_t idx = (size_t)a + (size_t)b * p;
     J[idx] = J[idx] + c;
   });
+}
+
+// rh_lamm_trials' products J e_k for wide designs: the round's K steps formed
+// in shared memory by lamm_steps (the trials kernel's own code, so the same
+// bits), then out[k·p + a] = (J e_k)_a by strips of 32 columns per block.
+// A no-op unless the solve is open. Dynamic shared memory: K·ldp values of T.
+template <typename T>
+__global__ void __launch_bounds__(RH_ROW_THREADS)
+rh_wide_lamm_symv(const T* __restrict__ J, long long p, long long ldp,
+                  const T* __restrict__ beta, const T* __restrict__ g,
+                  double* __restrict__ ctl, double* __restrict__ out) {
+  if (!solve_open(ctl_ints(ctl))) return;
+  extern __shared__ double smem_d[];
+  T* E = reinterpret_cast<T*>(smem_d);
+  lamm_steps(E, p, ldp, beta, g, ctl);
+  wide_symv<RH_LAMM_ROUND>(
+      J, (int)p, [&](int b, int k) { return (double)E[(size_t)k * ldp + b]; }, out);
 }
 
 // ---------------------------------------------------------------------------
@@ -938,7 +978,8 @@ __global__ void __launch_bounds__(RH_ROW_THREADS)
 rh_lamm_eval(const T* __restrict__ Z, long long ldz, long long n, long long p, long long ldp,
              const T* __restrict__ y, const T* __restrict__ w, const T* __restrict__ beta,
              const T* __restrict__ beta0, const T* __restrict__ J, double* __restrict__ ctl,
-             T* __restrict__ r, T* __restrict__ g, double* __restrict__ partials) {
+             T* __restrict__ r, T* __restrict__ g, double* __restrict__ partials,
+             const double* __restrict__ jv) {
   int* ci = ctl_ints(ctl);
   if (!solve_open(ci) || ci[RH_I_TRIALS] != 0) return;
   extern __shared__ double smem_d[];
@@ -987,17 +1028,21 @@ rh_lamm_eval(const T* __restrict__ Z, long long ldz, long long n, long long p, l
   const T inv = (T)ctl[RH_P_INV_TOTAL], hist = (T)ctl[RH_P_HIST];
   const bool has_hist = ctl[RH_P_HAS_HIST] != 0.0;
   __shared__ double scratch[RH_SMALL_THREADS];
-  block_symv<1>(
-      J, (int)p, [&](int b, int) { return (double)(beta[b] - beta0[b]); },
-      [&](int a, int, double jd) {
-        double G = 0.0;
-        for (long long sl = 0; sl < slices; ++sl) G += acc[sl * ldp + a];
-        T ga = (T)jd - (T)G;
-        ga = ga * inv;
-        if (has_hist) ga = ga - mul_rn(hist, (T)(sign_of(beta0[a]) * (T)mask_of(a, p, ctl)));
-        g[a] = ga;
-      },
-      scratch, RH_SMALL_THREADS);
+  auto grad_sink = [&](int a, int, double jd) {
+    double G = 0.0;
+    for (long long sl = 0; sl < slices; ++sl) G += acc[sl * ldp + a];
+    T ga = (T)jd - (T)G;
+    ga = ga * inv;
+    if (has_hist) ga = ga - mul_rn(hist, (T)(sign_of(beta0[a]) * (T)mask_of(a, p, ctl)));
+    g[a] = ga;
+  };
+  if (jv != nullptr) {  // wide: J(β − β0) from rh_wide_symv
+    for (int a = threadIdx.x; a < (int)p; a += blockDim.x) grad_sink(a, 0, jv[a]);
+  } else {
+    block_symv<1>(
+        J, (int)p, [&](int b, int) { return (double)(beta[b] - beta0[b]); }, grad_sink, scratch,
+        RH_SMALL_THREADS);
+  }
   if (threadIdx.x == 0) *reinterpret_cast<unsigned int*>(ci + RH_I_TICKET) = 0u;
 }
 
@@ -1011,12 +1056,15 @@ rh_lamm_eval(const T* __restrict__ Z, long long ldz, long long n, long long p, l
 // trials), and tests convergence.
 // Dynamic shared memory: (K + 1)·ldp values of T.
 // ---------------------------------------------------------------------------
-template <typename T>
-__global__ void __launch_bounds__(RH_ROW_THREADS)
-rh_lamm_trials(const T* __restrict__ Z, long long ldz, long long n, long long p, long long ldp,
-               const T* __restrict__ r, const T* __restrict__ w, const T* __restrict__ g,
-               const T* __restrict__ J, double* __restrict__ ctl, T* __restrict__ beta,
-               double* __restrict__ partials, double* status) {
+// WIDE: the last block takes J e_k from rh_wide_lamm_symv (jv) instead of
+// reading J itself (rh_lamm_trials_wide; a separate instantiation, so that the
+// kernel of narrower designs is compiled exactly as without it).
+template <bool WIDE, typename T>
+__device__ __forceinline__ void
+lamm_trials(const T* __restrict__ Z, long long ldz, long long n, long long p, long long ldp,
+            const T* __restrict__ r, const T* __restrict__ w, const T* __restrict__ g,
+            const T* __restrict__ J, double* __restrict__ ctl, T* __restrict__ beta,
+            double* __restrict__ partials, double* status, const double* __restrict__ jv) {
   int* ci = ctl_ints(ctl);
   if (!solve_open(ci)) return;
   constexpr int K = RH_LAMM_ROUND;
@@ -1027,17 +1075,7 @@ rh_lamm_trials(const T* __restrict__ Z, long long ldz, long long n, long long p,
   T* E = reinterpret_cast<T*>(smem_d);  // [K][ldp]
   const double phi0 = ctl[RH_S_PHI];
   const T lam = (T)ctl[RH_P_LAM];
-  for (int k = 0; k < K; ++k)
-  for (int j = threadIdx.x; j < (int)p; j += blockDim.x) {
-    const T ip = (T)(1.0 / (phi0 * ldexp(1.0, k)));
-    const T bj = beta[j];
-    const T x = bj - mul_rn(g[j], ip);
-    const T thr = mul_rn((T)mask_of(j, p, ctl) * lam, ip);
-    const T mag = absv(x) - thr;
-    const T c = sign_of(x) * (mag > T(0) ? mag : T(0));
-    E[(size_t)k * ldp + j] = c - bj;
-  }
-  __syncthreads();
+  lamm_steps(E, p, ldp, beta, g, ctl);
   const T tau = (T)ctl[RH_P_TAU];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const long long nw = (long long)gridDim.x * (blockDim.x >> 5);
@@ -1077,14 +1115,19 @@ rh_lamm_trials(const T* __restrict__ Z, long long ldz, long long n, long long p,
   double v[2 * K];  // eᵀJe and eᵀe per trial
 #pragma unroll
   for (int k = 0; k < 2 * K; ++k) v[k] = 0.0;
-  block_symv<K>(
-      J, (int)p, [&](int b, int kk) { return (double)E[(size_t)kk * ldp + b]; },
-      [&](int a, int kk, double je) {
-        const double ea = (double)E[(size_t)kk * ldp + a];
-        v[kk] += ea * je;
-        v[K + kk] += ea * ea;
-      },
-      red, MAX_WARPS * 32);
+  auto trial_sink = [&](int a, int kk, double je) {
+    const double ea = (double)E[(size_t)kk * ldp + a];
+    v[kk] += ea * je;
+    v[K + kk] += ea * ea;
+  };
+  if (WIDE) {
+    for (int a = threadIdx.x; a < (int)p; a += blockDim.x)
+      for (int kk = 0; kk < K; ++kk) trial_sink(a, kk, jv[(size_t)kk * p + a]);
+  } else {
+    block_symv<K>(
+        J, (int)p, [&](int b, int kk) { return (double)E[(size_t)kk * ldp + b]; }, trial_sink,
+        red, MAX_WARPS * 32);
+  }
   block_sum<2 * K>(v, red2);
   if (threadIdx.x == 0) {
     const double total = ctl[RH_P_TOTAL];
@@ -1133,6 +1176,25 @@ rh_lamm_trials(const T* __restrict__ Z, long long ldz, long long n, long long p,
     }
   }
   mirror_status(ctl, status);
+}
+
+template <typename T>
+__global__ void __launch_bounds__(RH_ROW_THREADS)
+rh_lamm_trials(const T* __restrict__ Z, long long ldz, long long n, long long p, long long ldp,
+               const T* __restrict__ r, const T* __restrict__ w, const T* __restrict__ g,
+               const T* __restrict__ J, double* __restrict__ ctl, T* __restrict__ beta,
+               double* __restrict__ partials, double* status) {
+  lamm_trials<false>(Z, ldz, n, p, ldp, r, w, g, J, ctl, beta, partials, status, nullptr);
+}
+
+template <typename T>
+__global__ void __launch_bounds__(RH_ROW_THREADS)
+rh_lamm_trials_wide(const T* __restrict__ Z, long long ldz, long long n, long long p,
+                    long long ldp, const T* __restrict__ r, const T* __restrict__ w,
+                    const T* __restrict__ g, const T* __restrict__ J, double* __restrict__ ctl,
+                    T* __restrict__ beta, double* __restrict__ partials, double* status,
+                    const double* __restrict__ jv) {
+  lamm_trials<true>(Z, ldz, n, p, ldp, r, w, g, J, ctl, beta, partials, status, jv);
 }
 
 // ---------------------------------------------------------------------------
