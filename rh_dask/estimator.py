@@ -350,6 +350,9 @@ class RenewableHuberRegressor(RegressorMixin, BaseEstimator):
             dtype=config.dtype,
             accept_device=name == "gpu" or self._auto_on_device(X),
             owner=type(self).__name__,
+            # The GPU engine refuses non-finite values on the device, in its
+            # first pass over the batch: the host scan would be a second read.
+            check_finite=self.engine != "gpu",
         )
         self._consume(self._first_stream(config, name, batch), batch)
         return self
@@ -370,8 +373,10 @@ class RenewableHuberRegressor(RegressorMixin, BaseEstimator):
         name = resolve_engine_name(self.engine, self.device)
         if stream is None:
             accept_device = name == "gpu" or self._auto_on_device(X)
+            # engine="auto" may still choose NumPy, which needs the host scan.
+            on_gpu = self.engine == "gpu"
         else:
-            accept_device = stream.engine_name == "gpu"
+            accept_device = on_gpu = stream.engine_name == "gpu"
         batch = validate_batch(
             X,
             y,
@@ -382,6 +387,9 @@ class RenewableHuberRegressor(RegressorMixin, BaseEstimator):
             fitted=stream is not None,
             accept_device=accept_device,
             owner=type(self).__name__,
+            # The GPU engine refuses non-finite values on the device, in its
+            # first pass over the batch: the host scan would be a second read.
+            check_finite=not on_gpu,
         )
         self._consume(self._first_stream(config, name, batch) if stream is None else stream, batch)
         return self
