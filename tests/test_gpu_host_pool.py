@@ -66,6 +66,7 @@ def _leases(engine):
 
 
 def test_a_second_fresh_engine_reuses_the_pool_and_the_pool_does_not_grow():
+    gc.collect()  # engines of earlier tests give their leases back now, not midway
     pool = device_pool(cp, 0)
     pool.clear()  # only this test's buffers idle from here on
     config = HuberConfig(dtype="float32")
@@ -109,6 +110,7 @@ def test_an_engine_collected_without_close_gives_its_leases_back():
 def test_results_are_the_same_bits_on_reused_stale_memory_and_on_a_fresh_pool(monkeypatch):
     config = HuberConfig(dtype="float32")
     target = _stream(24, [16000, 16000, 3001], "float32", seed=5, weights=True)
+    gc.collect()
     device_pool(cp, 0).clear()  # the next engine gets the dirty engine's buffers
     # Leave other data in the process pool's buffers: a wider, unweighted stream.
     dirty = GpuEngine(config, pinned_idle_bytes=IDLE)
@@ -181,6 +183,7 @@ def test_two_live_engines_interleaved_give_the_bits_of_each_alone(feed):
 
 
 def test_a_zero_bound_keeps_no_idle_memory():
+    gc.collect()
     pool = device_pool(cp, 0)
     engine = GpuEngine(HuberConfig(dtype="float32"), pinned_idle_bytes=0)
     assert pool.stats()["idle_bytes"] == 0
