@@ -90,8 +90,12 @@ class GpuEngine:
         ``potrf``/``potrs`` on a preallocated workspace. ``"kernel"``: the
         engine's fused one-block kernel (assembly, Cholesky and both
         triangular solves in shared memory), which needs the p×p system to
-        fit in shared memory. ``"auto"`` takes the kernel when it fits and
-        cuSOLVER otherwise (see docs/gpu-engine.md for the measurements).
+        fit in shared memory. ``"blocked"``: the same in one block with a
+        blocked factorisation (32-column panels, three block barriers per
+        panel instead of one per column), meant for p of about 33-128;
+        not measured on a device yet. ``"auto"`` takes the kernel when it
+        fits and cuSOLVER otherwise (see docs/gpu-engine.md for the
+        measurements).
         The LU and minimum-norm fallbacks always use cuSOLVER.
     score_variance : bool, default=True
         Accumulate the score variance K = Σ Zᵀ diag(w ψ²) Z (the sandwich's
@@ -174,7 +178,7 @@ class GpuEngine:
         hold_gil = _check_flag("hold_gil", hold_gil)
         if cholesky not in CHOLESKY_MODES:
             raise ValidationError(
-                f"cholesky must be 'auto', 'kernel' or 'cusolver', got {cholesky!r}"
+                f"cholesky must be 'auto', 'kernel', 'blocked' or 'cusolver', got {cholesky!r}"
             )
         if not isinstance(device_loop, str) or device_loop not in DEVICE_LOOP_MODES:
             raise ValidationError(

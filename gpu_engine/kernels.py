@@ -39,6 +39,7 @@ KERNEL_NAMES: tuple[str, ...] = (
     "rh_newton_eval",
     "rh_newton_assemble",
     "rh_newton_solve",
+    "rh_newton_solve_blocked",
     "rh_newton_search",
     "rh_commit_eval",
     "rh_commit_finish",

@@ -41,7 +41,7 @@ from .parts import DeviceParts
 FUSED_SOLVE_MAX_P = 32
 
 #: The ways ``GpuEngine(cholesky=...)`` may factorise the Newton system.
-CHOLESKY_MODES = ("auto", "kernel", "cusolver")
+CHOLESKY_MODES = ("auto", "kernel", "blocked", "cusolver")
 
 
 class NewtonDriver:
@@ -67,6 +67,11 @@ class NewtonDriver:
         self._parts = parts
         self._cholesky = cholesky
         self._loop = loop
+        #: The one-block kernel taken when the system fits: the blocked
+        #: factorisation only where asked for (not measured on a device yet).
+        self._solve_kernel = (
+            "rh_newton_solve_blocked" if cholesky == "blocked" else "rh_newton_solve"
+        )
         #: Whether the last solve used the fused one-block kernel.
         self.small_solve = False
         #: Whether the last solve ran as a device loop.
@@ -177,13 +182,13 @@ class NewtonDriver:
             return False
         shared = (p * p + 2 * p) * self._parts.ws.item
         fits = shared + 8 * 1024 <= self._parts.kernels.max_shared and p <= 32 * layout.SOLVE_ROWS
-        if not fits and self._cholesky == "kernel":
+        if not fits and self._cholesky in ("kernel", "blocked"):
             raise ValidationError(
-                f"cholesky='kernel' needs the {p}×{p} system in shared memory "
+                f"cholesky={self._cholesky!r} needs the {p}×{p} system in shared memory "
                 f"({shared} bytes, the device allows {self._parts.kernels.max_shared})"
             )
         if fits:
-            self._parts.kernels.allow_shared("rh_newton_solve", shared)
+            self._parts.kernels.allow_shared(self._solve_kernel, shared)
         return fits
 
     def _eval_and_gram(self, n: int) -> None:
@@ -197,8 +202,8 @@ class NewtonDriver:
         p = ws.p
         if self.small_solve:
             launch(
-                ("solve",),
-                "rh_newton_solve",
+                ("solve", self._solve_kernel),
+                self._solve_kernel,
                 1,
                 layout.SMALL_THREADS,
                 (ws.C, ws.J, ws.beta_work, ws.beta, p, ws.ctl, ws.H, ws.Hs, ws.g, ws.D),

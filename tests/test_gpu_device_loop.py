@@ -322,7 +322,7 @@ def _assert_bit_identical(config, batches, weights=None, **options):
 
 @gpu
 @needs_device
-@pytest.mark.parametrize("cholesky", ["auto", "kernel", "cusolver"])
+@pytest.mark.parametrize("cholesky", ["auto", "kernel", "blocked", "cusolver"])
 @pytest.mark.parametrize("dtype", ["float64", "float32"])
 @pytest.mark.parametrize(
     "features, sizes",
@@ -330,7 +330,7 @@ def _assert_bit_identical(config, batches, weights=None, **options):
     ids=["latency", "reference", "streaming", "wide"],
 )
 def test_device_loop_gives_the_host_loops_bits(features, sizes, dtype, cholesky):
-    if cholesky == "kernel" and features > 200:
+    if cholesky in ("kernel", "blocked") and features > 200:
         pytest.skip("the fused kernel holds the system in shared memory")
     _assert_bit_identical(
         HuberConfig(dtype=dtype), _stream(features, sizes, dtype, 3), cholesky=cholesky
@@ -350,7 +350,7 @@ def test_weighted_batches_without_intercept_give_the_same_bits(dtype):
 
 @gpu
 @needs_device
-@pytest.mark.parametrize("cholesky", ["kernel", "cusolver"])
+@pytest.mark.parametrize("cholesky", ["kernel", "blocked", "cusolver"])
 @pytest.mark.parametrize("dtype", ["float64", "float32"])
 def test_singular_factors_exit_to_the_host_and_give_the_same_bits(dtype, cholesky):
     batches = []
@@ -411,3 +411,35 @@ def test_auto_uses_the_device_loop_and_graphs_off_the_host_loop():
         l1.partial_fit(cp.asarray(X), cp.asarray(y))
     assert not l1._newton.device_loop  # the LAMM queue is not the Newton loop
     l1.close()
+
+
+TOL = {"float64": (1e-8, 2e-9), "float32": (3e-4, 3e-5)}
+
+
+@gpu
+@needs_device
+@pytest.mark.parametrize("dtype", ["float64", "float32"])
+@pytest.mark.parametrize("features", [16, 40, 90, 127])
+def test_the_blocked_cholesky_matches_the_reference_and_cusolver(features, dtype):
+    """``cholesky="blocked"``: one to four 32-column panels, a partial last one."""
+    from rh_dask import NumpyEngine
+
+    batches = _stream(features, [20000, 20000, 700], dtype, 12)
+    config = HuberConfig(dtype=dtype)
+    blocked = gpu_engine.GpuEngine(config, cholesky="blocked")
+    cusolver = gpu_engine.GpuEngine(config, cholesky="cusolver")
+    ref = NumpyEngine(config)
+    rtol, atol = TOL[dtype]
+    for X, y in batches:
+        d_blocked = blocked.partial_fit(cp.asarray(X), cp.asarray(y))
+        d_cusolver = cusolver.partial_fit(cp.asarray(X), cp.asarray(y))
+        d_ref = ref.partial_fit(X, y)
+        assert blocked._newton.small_solve
+        beta = blocked.coefficients().astype(np.float64)
+        for other in (ref.export_state().coefficients, cusolver.coefficients()):
+            other = np.asarray(other, dtype=np.float64)
+            assert np.all(np.abs(beta - other) <= atol + rtol * np.abs(other))
+        assert d_blocked.converged == d_ref.converged == d_cusolver.converged
+        assert abs(d_blocked.objective - d_ref.objective) <= atol + rtol * abs(d_ref.objective)
+    blocked.close()
+    cusolver.close()

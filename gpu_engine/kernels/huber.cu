@@ -761,6 +761,131 @@ rh_newton_solve(const T* __restrict__ C, const T* __restrict__ J,
 }
 
 // ---------------------------------------------------------------------------
+// Newton, step 2 for mid-size systems (one block, everything in shared
+// memory): the assembly of rh_newton_assemble, then a blocked right-looking
+// Cholesky in panels of 32 columns, which needs three block barriers per
+// panel instead of one per column: warp 0 factors the panel's diagonal tile
+// (lane l owns row l of the tile, warp barriers only), every thread solves
+// one row of the panel below it against the tile, and the block updates the
+// trailing lower triangle. L_ij = a_ij / L_jj as LAPACK's division. The two
+// triangular solves are rh_newton_solve's (one warp, right-hand side in
+// registers). Same outputs as rh_newton_solve: L (lower, column-major) in
+// H, the assembled matrix in Hs, g, D and the potrf-style info.
+// Dynamic shared memory: (p·p + 2p) values of T; p ≤ 32·RH_SOLVE_ROWS.
+// ---------------------------------------------------------------------------
+template <typename T>
+__global__ void __launch_bounds__(RH_SMALL_THREADS)
+rh_newton_solve_blocked(const T* __restrict__ C, const T* __restrict__ J,
+                        const T* __restrict__ beta, const T* __restrict__ beta0, long long p,
+                        double* __restrict__ ctl, T* __restrict__ H, T* __restrict__ Hs,
+                        T* __restrict__ g, T* __restrict__ D) {
+  extern __shared__ double smem_d[];
+  T* A = reinterpret_cast<T*>(smem_d);  // p×p, column-major
+  T* vec = A + p * p;                   // right-hand side, then solution
+  T* lcol = vec + p;                    // the diagonal of L
+  __shared__ int s_fail;
+  const int q = (int)p, qq = q * q;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
+  assemble_system(q, C, J, beta, beta0, ctl, A, Hs, g, vec);
+  if (threadIdx.x == 0) s_fail = 0;
+  __syncthreads();
+  for (int k0 = 0; k0 < q; k0 += 32) {
+    const int kw = q - k0 < 32 ? q - k0 : 32;
+    if (warp == 0) {
+      // the diagonal tile, unblocked: column j scaled, then the tile's
+      // trailing rows updated, row l by lane l
+      int fail = 0;
+      for (int j = 0; j < kw; ++j) {
+        const int cj = k0 + j;
+        const T d = A[cj + cj * q];  // every lane reads the same pivot: a uniform exit
+        if (!(d > T(0))) {
+          fail = cj + 1;
+          break;
+        }
+        const T ljj = sqrtv(d);
+        __syncwarp();
+        if (lane > j && lane < kw) A[k0 + lane + cj * q] = A[k0 + lane + cj * q] / ljj;
+        __syncwarp();
+        if (lane == j) {
+          A[cj + cj * q] = ljj;
+          lcol[cj] = ljj;
+        }
+        if (lane > j && lane < kw) {
+          const int row = k0 + lane;
+          const T lrj = A[row + cj * q];
+          for (int c = j + 1; c <= lane; ++c)
+            A[row + (k0 + c) * q] = A[row + (k0 + c) * q] - lrj * A[k0 + c + cj * q];
+        }
+        __syncwarp();
+      }
+      if (lane == 0 && fail != 0) s_fail = fail;
+    }
+    __syncthreads();
+    if (s_fail != 0) break;  // uniform: read after the barrier
+    // the panel below the tile: L_ij = (a_ij − Σ_{c<j} L_ic L_jc) / L_jj, one row per thread
+    for (int i = k0 + kw + (int)threadIdx.x; i < q; i += blockDim.x) {
+      for (int j = 0; j < kw; ++j) {
+        const int cj = k0 + j;
+        T s = A[i + cj * q];
+        for (int c = 0; c < j; ++c) s = s - A[i + (k0 + c) * q] * A[cj + (k0 + c) * q];
+        A[i + cj * q] = s / lcol[cj];
+      }
+    }
+    __syncthreads();
+    // the trailing lower triangle: a_ic −= Σ_j L_ij L_cj over the panel's columns
+    for (int c = k0 + kw + warp; c < q; c += nwarps) {
+      for (int i = c + lane; i < q; i += 32) {
+        T s = A[i + c * q];
+        for (int j = 0; j < kw; ++j) s = s - A[i + (k0 + j) * q] * A[c + (k0 + j) * q];
+        A[i + c * q] = s;
+      }
+    }
+    __syncthreads();
+  }
+  const int fail = s_fail;
+  if (warp == 0 && fail == 0) {
+    // L y = g, then Lᵀ x = y, one warp, the right-hand side in registers
+    T vr[RH_SOLVE_ROWS];
+#pragma unroll
+    for (int m = 0; m < RH_SOLVE_ROWS; ++m) {
+      const int i = lane + 32 * m;
+      vr[m] = i < q ? vec[i] : T(0);
+    }
+    for (int k = 0; k < q; ++k) {
+      const T yk = __shfl_sync(FULL_MASK, lane_register(vr, k) / lcol[k], k & 31);
+#pragma unroll
+      for (int m = 0; m < RH_SOLVE_ROWS; ++m) {
+        const int i = lane + 32 * m;
+        if (i > k && i < q) vr[m] -= A[i + k * q] * yk;
+        if (i == k) vr[m] = yk;
+      }
+    }
+    for (int k = q - 1; k >= 0; --k) {
+      const T xk = __shfl_sync(FULL_MASK, lane_register(vr, k) / lcol[k], k & 31);
+#pragma unroll
+      for (int m = 0; m < RH_SOLVE_ROWS; ++m) {
+        const int i = lane + 32 * m;
+        if (i < k) vr[m] -= A[k + i * q] * xk;
+        if (i == k) vr[m] = xk;
+      }
+    }
+#pragma unroll
+    for (int m = 0; m < RH_SOLVE_ROWS; ++m) {
+      const int i = lane + 32 * m;
+      if (i < q) vec[i] = vr[m];
+    }
+  }
+  __syncthreads();
+  for (int idx = threadIdx.x; idx < qq; idx += blockDim.x) H[idx] = A[idx];
+  for (int a = threadIdx.x; a < q; a += blockDim.x) D[a] = vec[a];
+  if (threadIdx.x == 0) {
+    int* ci = ctl_ints(ctl);
+    ci[RH_I_INFO] = fail;
+    ci[RH_I_INFO_SOLVE] = 0;
+  }
+}
+
+// ---------------------------------------------------------------------------
 // Newton, step 3: zdir = Z·D and, in the same pass, the remainder sums
 // Σ w R(t_k · zdir) for every step t_k = 2^-k of the contract's backtracking
 // (lane k of each warp owns step k). The last block checks the Cholesky
