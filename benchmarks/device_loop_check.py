@@ -5,9 +5,11 @@ few streams (reference float32, latency float64, a weighted stream without
 intercept, a rank-deficient stream whose factors are singular) and asserts
 that every batch's diagnostics, the final state and the β mirror are the
 same bits. Then times the reference float32 stream (100,000 × 90 in
-32,768-row batches, CuPy input, empty state to last batch) both ways,
-alternating the two engines, 20 repeats each after a warm-up, and reports
-the medians per stream and per batch. Runs in well under a minute on an H200.
+32,768-row batches, CuPy input, empty state to last batch) both ways and
+with the device loop and ``cholesky="blocked"``, alternating the engines,
+20 repeats each after a warm-up, and reports the medians per stream and per
+batch (and whether the blocked factorisation's β is within the contract's
+float32 tolerance of cuSOLVER's). Runs in well under a minute on an H200.
 
     PYTHONPATH=. python benchmarks/device_loop_check.py [--repeats 20] [--output FILE]
 
@@ -114,6 +116,8 @@ def _time(cp, config, batches, repeats: int) -> dict[str, Any]:
 
     data = [(cp.asarray(X), cp.asarray(y)) for X, y in batches]
     engines = {mode: GpuEngine(config, device_loop=mode) for mode in ("on", "off")}
+    # the device loop with the blocked one-block Cholesky instead of cuSOLVER
+    engines["on_blocked"] = GpuEngine(config, device_loop="on", cholesky="blocked")
     samples: dict[str, list[float]] = {mode: [] for mode in engines}
     iterations: dict[str, list[int]] = {}
     for mode, engine in engines.items():  # warm-up: compiles and captures every graph
@@ -121,7 +125,7 @@ def _time(cp, config, batches, repeats: int) -> dict[str, Any]:
         iterations[mode] = [d.iterations for d in _run(cp, engine, data, None)]
         cp.cuda.Device().synchronize()
     for rep in range(repeats):
-        order = ("on", "off") if rep % 2 == 0 else ("off", "on")
+        order = ("on", "off", "on_blocked") if rep % 2 == 0 else ("on_blocked", "off", "on")
         for mode in order:
             engine = engines[mode]
             engine.reset()
@@ -131,6 +135,11 @@ def _time(cp, config, batches, repeats: int) -> dict[str, Any]:
             cp.cuda.Device().synchronize()
             samples[mode].append(time.perf_counter() - start)
     out: dict[str, Any] = {"batches": len(batches), "rows_per_batch": len(batches[0][1])}
+    beta = {mode: engine.coefficients().astype(np.float64) for mode, engine in engines.items()}
+    scale = 3e-5 + 3e-4 * np.abs(beta["on"])  # the contract's float32 tolerance
+    out["blocked_within_tolerance_of_cusolver"] = bool(
+        np.all(np.abs(beta["on_blocked"] - beta["on"]) <= scale)
+    )
     for mode, engine in engines.items():
         med = statistics.median(samples[mode])
         out[f"device_loop_{mode}"] = {
@@ -182,6 +191,8 @@ def main(argv: list[str] | None = None) -> int:
         "ms_per_batch_on": timing["device_loop_on"]["ms_per_batch"],
         "ms_per_batch_off": timing["device_loop_off"]["ms_per_batch"],
         "speedup_per_batch": timing["speedup_per_batch"],
+        "ms_per_batch_on_blocked": timing["device_loop_on_blocked"]["ms_per_batch"],
+        "blocked_within_tolerance": timing["blocked_within_tolerance_of_cusolver"],
         "wall_seconds": payload["wall_seconds"],
     }
     print(json.dumps(brief, indent=1, default=str))

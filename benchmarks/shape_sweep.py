@@ -6,6 +6,8 @@ whole stream (empty state → last batch) is timed through:
 * ``rh_numpy``        rh-dask NumPy engine
 * ``rh_gpu_device``   rh-dask GPU engine, CuPy input already on the device
 * ``rh_gpu_eager``    the same without CUDA graphs (do graphs pay?)
+* ``rh_gpu_blocked``  the same with ``cholesky="blocked"`` (the one-block blocked factorisation;
+                      unpenalised only)
 * ``rh_gpu_hostloop`` the same with the Newton iterations driven by the host, one
                       synchronisation per iteration (``device_loop="off"``; unpenalised
                       only: does the device loop pay?)
@@ -181,8 +183,10 @@ def rh_gpu_steady(config, batches, runner, mode):
         options["cholesky"] = "kernel"
     elif mode == "hostloop":
         options["device_loop"] = "off"
+    elif mode == "blocked":
+        options["cholesky"] = "blocked"
     engine = GpuEngine(config, **options)
-    if mode in ("device", "eager", "cusolver", "kernel", "hostloop"):
+    if mode in ("device", "eager", "cusolver", "kernel", "hostloop", "blocked"):
         data = [(cp.asarray(X), cp.asarray(y)) for X, y in batches]
     elif mode == "pinned":
         data = []
@@ -214,7 +218,8 @@ def rh_gpu_steady(config, batches, runner, mode):
     if config.penalised:
         result["cholesky"] = "none (LAMM)"
     else:
-        result["cholesky"] = "kernel" if getattr(engine, "_small_solve", False) else "cusolver"
+        newton = engine._newton  # what the last batch used
+        result["cholesky"] = newton._solve_kernel if newton.small_solve else "cusolver"
     engine.close()
     return result
 
@@ -350,8 +355,9 @@ def sweep(args: argparse.Namespace) -> dict[str, Any]:
                     ("rh_gpu_cusolver", "cusolver"),
                     ("rh_gpu_kernel", "kernel"),
                     ("rh_gpu_hostloop", "hostloop"),
+                    ("rh_gpu_blocked", "blocked"),
                 ):
-                    if mode in ("cusolver", "kernel", "hostloop") and config.penalised:
+                    if mode in ("cusolver", "kernel", "hostloop", "blocked") and config.penalised:
                         continue  # the Cholesky path only matters to Newton
                     record(name, "steady", rh_gpu_steady, *common, gpu_runner, mode)
                 if args.cold:
@@ -663,6 +669,7 @@ ALL_ENGINES = (
     "rh_gpu_cusolver",
     "rh_gpu_kernel",
     "rh_gpu_hostloop",
+    "rh_gpu_blocked",
     "rh_gpu_host",
     "rh_gpu_host_serial",
     "rh_gpu_pinned",
