@@ -303,7 +303,9 @@ def time_stream(
     }
 
 
-def profile_case(cp: Any, d: int, dtype: str, repeats: int) -> dict[str, Any]:
+def profile_case(
+    cp: Any, d: int, dtype: str, repeats: int, wide_kernels: bool = True
+) -> dict[str, Any]:
     from gpu_engine import GpuEngine, layout
 
     batches, digest = make_batches(d, dtype)
@@ -317,19 +319,19 @@ def profile_case(cp: Any, d: int, dtype: str, repeats: int) -> dict[str, Any]:
         "dtype": dtype,
         "penalty": "none",
         "dataset_sha256": digest,
-        "wide_kernels": d + 1 >= layout.WIDE_MIN_P,
+        "wide_kernels": wide_kernels and d + 1 >= layout.WIDE_MIN_P,
     }
-    eager = GpuEngine(config, graphs=False)
+    eager = GpuEngine(config, graphs=False, wide_kernels=wide_kernels)
     case["stream_eager"] = time_stream(cp, eager, batches, repeats)
     # the engine now holds the last batch and its state: profile an iteration there
     case["per_iteration"] = profile_ops(cp, eager, n, repeats)
     case["dense"] = profile_dense(cp, eager, n, repeats)
     case["score_variance"] = profile_score_variance(cp, eager, n, repeats)
     eager.close()
-    engine = GpuEngine(config)
+    engine = GpuEngine(config, wide_kernels=wide_kernels)
     case["stream_graphs"] = time_stream(cp, engine, batches, repeats)
     engine.close()
-    no_k = GpuEngine(config, score_variance=False)
+    no_k = GpuEngine(config, score_variance=False, wide_kernels=wide_kernels)
     case["stream_graphs_no_k"] = time_stream(cp, no_k, batches, repeats)
     no_k.close()
     del batches
@@ -371,6 +373,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--widths", nargs="+", type=int, default=list(WIDTHS))
     parser.add_argument("--dtypes", nargs="+", default=["float64", "float32"])
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument(
+        "--no-wide-kernels",
+        dest="wide_kernels",
+        action="store_false",
+        help="profile the one-block p-space kernels (GpuEngine(wide_kernels=False), the default)",
+    )
     parser.add_argument("--output", default="benchmarks/results/gpu_wide_profile.json")
     args = parser.parse_args(argv)
 
@@ -381,7 +389,7 @@ def main(argv: list[str] | None = None) -> int:
     cases = []
     for dtype in args.dtypes:
         for d in args.widths:
-            case = profile_case(cp, d, dtype, args.repeats)
+            case = profile_case(cp, d, dtype, args.repeats, args.wide_kernels)
             case["derived"] = derive(case, peaks[dtype])
             cases.append(case)
             dv = case["derived"]

@@ -10,7 +10,8 @@ whole stream (empty state → last batch) is timed through:
                       unpenalised only)
 * ``rh_gpu_hostloop`` the same with the Newton iterations driven by the host, one
                       synchronisation per iteration (``device_loop="off"``; unpenalised
-                      only: does the device loop pay?)
+                      only: does the device loop pay? It differs from ``rh_gpu_device`` only
+                      when ``--gpu-option device_loop=auto`` turns the loop on there)
 * ``rh_gpu_cusolver`` / ``rh_gpu_kernel`` the same with the Newton system forced
                       through cuSOLVER potrf/potrs or through the fused one-block
                       Cholesky kernel (unpenalised only: which pays where?)
@@ -20,6 +21,9 @@ whole stream (empty state → last batch) is timed through:
 * ``rh_gpu_pinned``   GPU engine, NumPy input already in pinned memory, back to back
 * ``rh_numpy_opp``    renewable-huber ``backend="numpy"``
 * ``rh_cupy_opp_host`` / ``rh_cupy_opp_device`` renewable-huber ``backend="cupy"``
+
+``--gpu-option NAME=VALUE`` passes a ``GpuEngine`` keyword to every steady GPU mode (e.g.
+``device_loop=auto``, ``wide_kernels=true``: options that are off by default).
 
 Lifecycles: ``steady`` (engine or estimator warm, state reset outside the
 timer) and ``cold`` (a new estimator created inside the timer, fed by a plain
@@ -171,12 +175,12 @@ def rh_estimator_cold(config, batches, runner, engine, to_input=None):
     return runner(setup, run)
 
 
-def rh_gpu_steady(config, batches, runner, mode):
+def rh_gpu_steady(config, batches, runner, mode, gpu_options=None):
     import cupy as cp
 
     from gpu_engine import GpuEngine
 
-    options = {"graphs": mode != "eager"}
+    options = {**(gpu_options or {}), "graphs": mode != "eager"}
     if mode == "cusolver":
         options["cholesky"] = "cusolver"
     elif mode == "kernel":
@@ -359,7 +363,9 @@ def sweep(args: argparse.Namespace) -> dict[str, Any]:
                 ):
                     if mode in ("cusolver", "kernel", "hostloop", "blocked") and config.penalised:
                         continue  # the Cholesky path only matters to Newton
-                    record(name, "steady", rh_gpu_steady, *common, gpu_runner, mode)
+                    record(
+                        name, "steady", rh_gpu_steady, *common, gpu_runner, mode, args.gpu_option
+                    )
                 if args.cold:
                     to_device = _device_input_converter()
                     record(
@@ -465,6 +471,7 @@ def _payload(args, bandwidth, cases, complete, peaks=None):
             "cpu_warmup_runs": args.cpu_warmup,
             "gpu_warmup_runs": 1,
             "cold_lifecycle": args.cold,
+            "gpu_options": getattr(args, "gpu_option", {}),
             "copy_bandwidth_bytes_per_second": bandwidth,
             "copy_bandwidth_assumed": COPY_BANDWIDTH,
             "dense_peak": peaks or {},
@@ -680,6 +687,17 @@ ALL_ENGINES = (
 )
 
 
+def _gpu_option(text: str) -> tuple[str, Any]:
+    """``NAME=VALUE`` → (name, value): true/false as bools, whole numbers as ints."""
+    name, sep, value = text.partition("=")
+    if not sep or not name.isidentifier():
+        raise argparse.ArgumentTypeError(f"expected NAME=VALUE, got {text!r}")
+    lowered = value.strip().lower()
+    if lowered in ("true", "false"):
+        return name, lowered == "true"
+    return name, int(value) if value.strip().isdigit() else value.strip()
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(ALL_SHAPES))
@@ -707,9 +725,19 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="fit a short device lease: 5 repeats, CPU engines 1 warm-up and a 4 s budget",
     )
+    parser.add_argument(
+        "--gpu-option",
+        action="append",
+        type=_gpu_option,
+        default=[],
+        metavar="NAME=VALUE",
+        help="a GpuEngine keyword for every steady GPU mode, e.g. device_loop=auto or "
+        "wide_kernels=true (repeatable; a mode's own option wins)",
+    )
     parser.add_argument("--output", default="benchmarks/results/shape_sweep.json")
     parser.add_argument("--markdown", metavar="JSON", help="print the table of a result file")
     args = parser.parse_args(argv)
+    args.gpu_option = dict(args.gpu_option)
     if args.markdown:
         print(markdown(json.loads(Path(args.markdown).read_text())))
         return 0

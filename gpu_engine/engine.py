@@ -110,7 +110,7 @@ class GpuEngine:
         residuals and one small copy to the host: on an H200 about 1 ms per
         100,000 × 90 float32 batch, more than its solve). ``False``: they are
         ``None``.
-    device_loop : {"auto", "on", "off"}, default="auto"
+    device_loop : {"auto", "on", "off"}, default="off"
         How the Newton iterations of an unpenalised batch are driven.
         ``"off"``: the host loop, one graph launch and one host
         synchronisation per iteration. ``"on"``: the device loop, a CUDA
@@ -121,7 +121,14 @@ class GpuEngine:
         ``"auto"``: the device loop where it can be built, else the host
         loop (:attr:`device_loop_error` says why). The results are the same
         bits either way. The L1 solve queues its rounds without
-        synchronising already and is not affected.
+        synchronising already and is not affected. The default is ``"off"``
+        because the device loop has not yet run on a GPU (docs/gpu-engine.md).
+    wide_kernels : bool, default=False
+        For p ≥ 256 (``layout.WIDE_MIN_P``), run the Newton assembly, the
+        products with J and the commit's J update as grid kernels instead of
+        one block (docs/gpu-engine.md, wide designs). Other bits than the
+        one-block kernels, within the contract's tolerances. Off by default
+        because these kernels have not yet run on a GPU.
     pinned_idle_bytes : int, optional
         The most bytes of pinned staging memory the process keeps idle for
         the device's next engine (:mod:`gpu_engine.host_pool`); it bounds
@@ -132,7 +139,8 @@ class GpuEngine:
     Raises
     ------
     ValidationError
-        When ``graphs``, ``hold_gil``, ``score_variance`` or ``diagnostics`` is not a bool,
+        When ``graphs``, ``hold_gil``, ``score_variance``, ``diagnostics`` or
+        ``wide_kernels`` is not a bool,
         ``cholesky`` or ``device_loop`` is not one of its choices,
         ``device_loop="on"`` comes with ``graphs=False``, or
         ``pinned_idle_bytes`` is not a whole number >= 0.
@@ -161,10 +169,12 @@ class GpuEngine:
         cholesky: str = "auto",
         score_variance: bool = True,
         diagnostics: bool = False,
-        device_loop: str = "auto",
+        device_loop: str = "off",
         pinned_idle_bytes: int | None = None,
+        wide_kernels: bool = False,
     ) -> None:
         graphs = _check_flag("graphs", graphs)
+        wide_kernels = _check_flag("wide_kernels", wide_kernels)
         if pinned_idle_bytes is not None and (
             isinstance(pinned_idle_bytes, bool)
             or not isinstance(pinned_idle_bytes, (int, np.integer))
@@ -202,7 +212,7 @@ class GpuEngine:
             self._loop = DeviceLoop(cp, self._device_id, self._calls, stream, device_loop, graphs)
             self._dense = DenseSolver(cp, self._device_id, stream, self._dtype)
             max_grid = BLOCKS_PER_SM * kernels.multiprocessors
-            self._ws = Workspace(cp, self._dtype, max_grid)
+            self._ws = Workspace(cp, self._dtype, max_grid, wide_kernels=wide_kernels)
             self._host_pool = device_pool(cp, self._device_id)
             if pinned_idle_bytes is not None:
                 self._host_pool.max_idle_bytes = int(pinned_idle_bytes)

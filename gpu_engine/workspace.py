@@ -33,10 +33,16 @@ class Workspace:
         The compute dtype.
     max_grid : int
         The largest grid any row kernel is launched with (sizes the partial sums).
+    wide_kernels : bool, default=False
+        Whether designs with p ≥ ``layout.WIDE_MIN_P`` run their p-space work
+        as grid kernels (:attr:`wide`).
     """
 
-    def __init__(self, cp: ModuleType, dtype: np.dtype, max_grid: int) -> None:
+    def __init__(
+        self, cp: ModuleType, dtype: np.dtype, max_grid: int, *, wide_kernels: bool = False
+    ) -> None:
         self._cp = cp
+        self._wide_kernels = wide_kernels
         self.dtype = np.dtype(dtype)
         self.item = self.dtype.itemsize
         self.max_grid = max_grid
@@ -44,7 +50,7 @@ class Workspace:
         self._align = 16 // self.item
         self.generation = 0
         self.p = 0
-        #: Whether p-space work runs as grid kernels (p ≥ ``layout.WIDE_MIN_P``).
+        #: Whether p-space work runs as grid kernels (asked for, and p ≥ ``layout.WIDE_MIN_P``).
         self.wide = False
         self.rows = 0
         self.ctl = cp.zeros(layout.CTL_BYTES, dtype=np.uint8)
@@ -103,7 +109,7 @@ class Workspace:
         self.g = cp.zeros(p, dtype=dt)
         self.D = cp.zeros(p, dtype=dt)
         # Wide designs: J·v of rh_wide_symv (float64, up to LAMM_ROUND vectors).
-        self.wide = p >= layout.WIDE_MIN_P
+        self.wide = self._wide_kernels and p >= layout.WIDE_MIN_P
         self.jv = cp.zeros(p * layout.LAMM_ROUND if self.wide else 1, dtype=np.float64)
         self.partials = cp.zeros(self.max_grid * max(32, self.ldp), dtype=np.float64)
         self.rows = 0  # row buffers depend on the strides

@@ -290,7 +290,10 @@ class Settings:
         ``rh-dask.gpu.device-loop``: the GPU engine runs a batch's Newton
         iterations as one CUDA graph loop on the device (one synchronisation
         per batch) where it can (``"auto"``), always (``"on"``) or never
-        (``"off"``: one per iteration).
+        (``"off"``, the default: one per iteration).
+    gpu_wide_kernels : bool
+        ``rh-dask.gpu.wide-kernels``: the GPU engine runs the p-space work of
+        designs with p ≥ 256 as grid kernels (off by default).
     gpu_pinned_idle_bytes : int
         ``rh-dask.gpu.pinned-idle-bytes``: the most bytes of pinned staging
         memory the process keeps idle per device for the next GPU engine
@@ -359,7 +362,8 @@ class Settings:
     gpu_hold_gil: bool = True
     gpu_score_variance: bool = True
     gpu_diagnostics: bool = False
-    gpu_device_loop: str = "auto"
+    gpu_device_loop: str = "off"
+    gpu_wide_kernels: bool = False
     gpu_pinned_idle_bytes: int = 256 << 20
     checkpoint_every_chunks: int = 16
     checkpoint_every_seconds: float = 60.0
@@ -399,6 +403,7 @@ class Settings:
                 "diagnostics": self.gpu_diagnostics,
                 "device_loop": self.gpu_device_loop,
                 "pinned_idle_bytes": self.gpu_pinned_idle_bytes,
+                "wide_kernels": self.gpu_wide_kernels,
             }
         if engine == "numpy":
             return {"blas_threads": self.numpy_blas_threads}
@@ -426,6 +431,7 @@ _KEYS: dict[str, tuple[str, Callable[[str, Any], Any]]] = {
     "gpu_diagnostics": ("rh-dask.gpu.diagnostics", _flag),
     "gpu_device_loop": ("rh-dask.gpu.device-loop", _device_loop),
     "gpu_pinned_idle_bytes": ("rh-dask.gpu.pinned-idle-bytes", _bytes),
+    "gpu_wide_kernels": ("rh-dask.gpu.wide-kernels", _flag),
     "checkpoint_every_chunks": ("rh-dask.checkpoint.every-chunks", _count),
     "checkpoint_every_seconds": (
         "rh-dask.checkpoint.every-seconds",

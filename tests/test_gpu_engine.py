@@ -128,10 +128,10 @@ def _assert_states_close(gpu: HuberState, ref: HuberState, dtype, what="", noise
     assert np.all(diff <= bound + noise), f"{what} information beyond the κ rounding noise"
 
 
-def _differential(config, batches, device_input=False, weights=None):
+def _differential(config, batches, device_input=False, weights=None, **options):
     """Feed the same batches to both engines; compare after every batch."""
     ref = NumpyEngine(config)
-    gpu = GpuEngine(config)
+    gpu = GpuEngine(config, **options)
     noise = 0.0 if config.dtype == "float32" else None
     for i, (X, y) in enumerate(batches):
         w = None if weights is None else weights[i]
@@ -198,12 +198,12 @@ def test_wide_designs_match_the_reference_and_repeat_bit_for_bit(dtype, penalty)
 
     batches = _stream(600, [2400, 2400, 700], dtype, seed=13)
     config = HuberConfig(penalty=penalty, dtype=dtype)
-    gpu, _ = _differential(config, batches, device_input=True)
+    gpu, _ = _differential(config, batches, device_input=True, wide_kernels=True)
     assert gpu._ws.wide and gpu._ws.p >= layout.WIDE_MIN_P
     graphs = gpu.export_state()
     gpu.close()
     for options in ({"graphs": False}, {}):
-        again = GpuEngine(config, **options)
+        again = GpuEngine(config, wide_kernels=True, **options)
         for X, y in batches:
             again.partial_fit(cp.asarray(X), cp.asarray(y))
         assert again.export_state().equals(graphs), options
@@ -215,7 +215,8 @@ def test_wide_rank_deficient_design_takes_the_fallback_like_the_reference():
     for X, y in _stream(300, [1500, 1500], "float64", seed=17):
         batches.append((np.ascontiguousarray(np.column_stack([X, X[:, 2]])), y))
     config = HuberConfig(ridge=0.0)
-    gpu, _ = _differential(config, batches)
+    gpu, _ = _differential(config, batches, wide_kernels=True)
+    assert gpu._ws.wide
     beta = gpu.coefficients()
     _assert_close(beta[2], beta[300], "float64", "duplicate columns")
     gpu.close()

@@ -89,8 +89,9 @@ def test_values_are_read_from_dask_config_and_text_is_parsed():
         "hold_gil": False,
         "score_variance": False,
         "diagnostics": True,
-        "device_loop": "auto",
+        "device_loop": "off",
         "pinned_idle_bytes": 64 * 2**20,
+        "wide_kernels": False,
     }
     assert settings.engine_options("numpy") == {"blas_threads": 3}
     with pytest.raises(dataclasses.FrozenInstanceError):
@@ -115,6 +116,7 @@ def test_values_are_read_from_dask_config_and_text_is_parsed():
         ("gpu_score_variance", "x", "true or false"),
         ("gpu_diagnostics", "x", "true or false"),
         ("gpu_device_loop", "sometimes", '"auto" or "on" or "off"'),
+        ("gpu_wide_kernels", "yes please", "true or false"),
         ("in_process_max_rows", -1, "a whole number >= 0"),
         ("numpy_blas_threads", 0, '"auto" or a whole number >= 1'),
         ("numpy_blas_threads", "all", '"auto" or a whole number >= 1'),
@@ -167,13 +169,15 @@ class _GpuEngine:
         hold_gil=True,
         score_variance=True,
         diagnostics=False,
-        device_loop="auto",
+        device_loop="off",
         pinned_idle_bytes=None,
+        wide_kernels=False,
     ):
         self.config, self.device, self.graphs, self.hold_gil = config, device, graphs, hold_gil
         self.score_variance, self.diagnostics = score_variance, diagnostics
         self.device_loop = device_loop
         self.pinned_idle_bytes = pinned_idle_bytes
+        self.wide_kernels = wide_kernels
 
 
 def test_make_engine_passes_the_gpu_settings_to_the_constructor(monkeypatch):
@@ -186,8 +190,11 @@ def test_make_engine_passes_the_gpu_settings_to_the_constructor(monkeypatch):
     stand_in = inspect.signature(_GpuEngine).parameters
     assert all(real[k].default == stand_in[k].default is v for k, v in defaults.items())
     assert all(getattr(Settings(), f"gpu_{k}") is v for k, v in defaults.items())
-    assert real["device_loop"].default == stand_in["device_loop"].default == "auto"
-    assert Settings().gpu_device_loop == "auto"
+    # Off until they have run on a GPU: the device loop and the wide designs' grid kernels.
+    assert real["device_loop"].default == stand_in["device_loop"].default == "off"
+    assert Settings().gpu_device_loop == "off"
+    assert real["wide_kernels"].default is stand_in["wide_kernels"].default is False
+    assert Settings().gpu_wide_kernels is False
     fake = types.ModuleType("gpu_engine")
     fake.GpuEngine = engine_class = _GpuEngine
     monkeypatch.setitem(sys.modules, "gpu_engine", fake)
@@ -202,9 +209,11 @@ def test_make_engine_passes_the_gpu_settings_to_the_constructor(monkeypatch):
     assert isinstance(engine, engine_class) and engine.device == "cuda:0"
     assert engine.graphs is False and engine.hold_gil is False
     assert engine.score_variance is False and engine.diagnostics is True
-    assert engine.device_loop == "auto"
-    looped = make_engine("gpu", HuberConfig(), settings=Settings(gpu_device_loop="off"))
-    assert looped.device_loop == "off"
+    assert engine.device_loop == "off" and engine.wide_kernels is False
+    looped = make_engine(
+        "gpu", HuberConfig(), settings=Settings(gpu_device_loop="auto", gpu_wide_kernels=True)
+    )
+    assert looped.device_loop == "auto" and looped.wide_kernels is True
     assert engine.pinned_idle_bytes == 0
     assert "pinned_idle_bytes" in real  # the real constructor takes it too
     with dask.config.set({"rh-dask.gpu.graphs": False}):  # read here when not given
