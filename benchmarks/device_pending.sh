@@ -1,0 +1,61 @@
+#!/usr/bin/env bash
+# The device runs that GPU code written without a GPU still needs (docs/gpu-engine.md,
+# "Not yet run on a GPU"). Run from the repository root on the H200 with Dask's wheels
+# installed and PYTHONPATH set (docs/development.md, device runs); results go to $OUT.
+#
+#   bash benchmarks/device_pending.sh tests   # every GPU test, new ones included   (~4 min)
+#   bash benchmarks/device_pending.sh pool    # pinned pool: fresh estimators, host vs device
+#   bash benchmarks/device_pending.sh loop    # Newton device loop and blocked Cholesky
+#   bash benchmarks/device_pending.sh wide    # grid kernels of wide designs, against the peer
+#
+# Each part stays under one device call's 10 minutes. What to look for is in each
+# part's comment; a part that passes is the evidence for turning its option on by default
+# (rh-dask.gpu.device-loop: auto, rh-dask.gpu.wide-kernels: true).
+set -uo pipefail
+out=${OUT:-/tmp/rh-dask-device}
+mkdir -p "$out"
+part=${1:-tests}
+
+case "$part" in
+tests)
+    # All pass, none skipped for an error: tests/test_gpu_*.py, the NVRTC compile,
+    # the validation tests that need a device.
+    python -m pytest -q -m gpu -rs tests/ 2>&1 | tail -25
+    ;;
+pool)
+    # The cold lifecycle: host cold / device cold <= 1.5 on reference and streaming
+    # (issue 16 item 3); the second fresh engine reuses pinned memory.
+    python -m pytest -q tests/test_gpu_host_pool.py 2>&1 | tail -5
+    python benchmarks/shape_sweep.py --engines rh_gpu_device rh_gpu_host rh_gpu_host_serial \
+        --cold --shapes reference streaming --output "$out/shape_sweep-pool.json" 2>&1 | tail -24
+    ;;
+loop)
+    # Bit identity device loop / host loop ("ok": true, device_loop_error null), ms per
+    # reference float32 batch with the loop (target 0.55) and without.
+    python benchmarks/device_loop_check.py --output "$out/device_loop_check.json" 2>&1 | tail -25
+    python -m pytest -q -m gpu -rs tests/test_gpu_device_loop.py 2>&1 | tail -8
+    python benchmarks/shape_sweep.py --shapes reference latency --dtypes float32 \
+        --penalties none --engines rh_gpu_device rh_gpu_hostloop rh_gpu_blocked \
+        rh_gpu_cusolver --repeats 20 --no-cold --gpu-option device_loop=auto \
+        --output "$out/shape_sweep-loop.json" 2>&1 | tail -8
+    ;;
+wide)
+    # Per-op profile (the iteration near GEMM + potrf, top ops GEMM/potrf, not rh_wide_*),
+    # the wide sweep with and without the grid kernels against the peer's CuPy backend
+    # (target 2x at wide2048), and the wide tests.
+    timeout 120 python benchmarks/gpu_wide_profile.py --repeats 3 \
+        --output "$out/gpu_wide_profile.json" 2>&1 | tail -8
+    for kernels in true false; do
+        python benchmarks/shape_sweep.py --shapes wide512 wide1024 wide2048 \
+            --dtypes float64 float32 --penalties none --engines rh_gpu_device \
+            rh_cupy_opp_device --repeats 3 --cpu-warmup 1 --cpu-budget 3 --no-cold \
+            --gpu-option wide_kernels=$kernels \
+            --output "$out/shape_sweep-wide-$kernels.json" 2>&1 | grep -E "^wide|Error"
+    done
+    python -m pytest -q -m gpu tests/test_gpu_engine.py -k "wide or sixteen" 2>&1 | tail -5
+    ;;
+*)
+    echo "usage: $0 tests|pool|loop|wide" >&2
+    exit 2
+    ;;
+esac
