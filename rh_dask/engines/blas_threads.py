@@ -13,12 +13,25 @@ process's).
 The count is fixed per engine, never per batch: multithreaded BLAS sums in
 an order that depends on the thread count, and a stream is reproducible bit
 for bit only with one count throughout.
+
+Where ``"auto"`` takes one thread on a host of at least two usable cores,
+the engine may run products that do not depend on each other side by side
+instead (:func:`side_executor`): each is the same one-thread BLAS call it
+would be alone, so the bits do not depend on whether, or how much, they
+overlap. Whether it pays depends on what else the host runs (a second core
+that is idle halves the commit's two Grams; one that is busy made them up to
+1.9x slower), so it is chosen by measurement, per shape class, while the
+process runs (:class:`SideChooser`); the choice cannot change a result.
 """
 
 from __future__ import annotations
 
 import functools
 import os
+import statistics
+from collections import deque
+from collections.abc import Hashable
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
@@ -28,9 +41,13 @@ from ..exceptions import ValidationError
 
 __all__ = [
     "SINGLE_THREAD_MAX_CORES",
+    "SideChooser",
     "blas_controller",
     "blas_limit",
     "resolve_blas_threads",
+    "side_by_side",
+    "side_chooser",
+    "side_executor",
     "usable_cores",
 ]
 
@@ -42,6 +59,88 @@ SINGLE_THREAD_MAX_CORES = 2
 def blas_controller() -> ThreadpoolController:
     """The process's thread pools, inspected once."""
     return ThreadpoolController()
+
+
+@functools.cache
+def side_executor() -> ThreadPoolExecutor:
+    """The process's one extra thread for the NumPy engine's side-by-side products.
+
+    One worker, shared by every engine of the process (engines on several
+    threads queue their products on it); created at the first use.
+    """
+    return ThreadPoolExecutor(max_workers=1, thread_name_prefix="rh-dask-numpy-side")
+
+
+class SideChooser:
+    """Side by side or alone, per shape class, from the times of recent batches.
+
+    Each shape class (a hashable key) is tried both ways until each has
+    ``warmup`` samples; then the way with the lower median of its last
+    ``keep`` samples is taken, except every ``probe_every``-th batch, which
+    takes the other way, so that a change of the host's load is seen. Safe
+    to share between threads (each update is a single dictionary or deque
+    operation).
+
+    Parameters
+    ----------
+    keep : int
+        Samples kept per way and class.
+    warmup : int
+        Samples per way before the medians decide.
+    probe_every : int
+        Period of the batches that try the way not chosen.
+    """
+
+    def __init__(self, keep: int = 5, warmup: int = 2, probe_every: int = 12) -> None:
+        self.keep, self.warmup, self.probe_every = keep, warmup, probe_every
+        self._samples: dict[Hashable, tuple[deque[float], deque[float]]] = {}
+        self._seen: dict[Hashable, int] = {}
+
+    def _get(self, key: Hashable) -> tuple[deque[float], deque[float]]:
+        found = self._samples.get(key)
+        if found is None:
+            found = self._samples.setdefault(
+                key, (deque(maxlen=self.keep), deque(maxlen=self.keep))
+            )
+        return found
+
+    def choose(self, key: Hashable) -> bool:
+        """True: run the class's next batch side by side."""
+        alone, beside = self._get(key)
+        seen = self._seen[key] = self._seen.get(key, 0) + 1
+        if len(alone) < self.warmup or len(beside) < self.warmup:
+            return len(beside) <= len(alone)
+        best = statistics.median(beside) <= statistics.median(alone)
+        return best != (seen % self.probe_every == 0)
+
+    def record(self, key: Hashable, side: bool, seconds: float) -> None:
+        """The time a batch of class ``key`` took, run side by side or not."""
+        self._get(key)[int(side)].append(seconds)
+
+    def medians(self) -> dict[Hashable, tuple[float | None, float | None]]:
+        """Per class: median seconds alone and side by side (None: no sample yet)."""
+        return {
+            key: tuple(statistics.median(d) if d else None for d in ways)  # type: ignore[misc]
+            for key, ways in list(self._samples.items())
+        }
+
+
+@functools.cache
+def side_chooser() -> SideChooser:
+    """The process's :class:`SideChooser` (the load it measures is the host's)."""
+    return SideChooser()
+
+
+def side_by_side(setting: int | str, cores: int | None = None) -> bool:
+    """Whether ``setting`` runs independent products side by side (see the module).
+
+    True for ``"auto"`` where it takes one BLAS thread on a host of at least
+    two usable cores; a count given explicitly is used as given, alone.
+    """
+    if not (isinstance(setting, str) and setting.strip().lower() == "auto"):
+        return False
+    cores = usable_cores() if cores is None else cores
+    return cores >= 2 and resolve_blas_threads(setting, cores) == 1
 
 
 def usable_cores() -> int:

@@ -7,6 +7,7 @@ reused across iterations and batches, and float32 streams compute in float32.
 
 from __future__ import annotations
 
+import time
 import warnings
 from collections.abc import Callable
 from typing import Any, ClassVar
@@ -32,9 +33,26 @@ from ..exceptions import EngineUnavailableError, NotFittedError, ValidationError
 from ..residuals import outlier_share, residual_scale
 from ..state import BatchDiagnostics, HuberState
 from ..validation import check_width
-from .blas_threads import blas_controller, blas_limit, resolve_blas_threads
+from .blas_threads import (
+    blas_controller,
+    blas_limit,
+    resolve_blas_threads,
+    side_by_side,
+    side_chooser,
+    side_executor,
+)
 
 __all__ = ["NumpyEngine", "solve_newton_system"]
+
+#: Z of at least this many bytes is streamed once per LAMM iteration in row blocks
+#: (measured on the dev box's 32 MiB L3: below it Z stays cached between GEMVs and
+#: blocks only add call overhead; above it the blocked pass halved the time).
+FUSED_MIN_BYTES = 20 << 20
+#: Bytes of Z per row block of the fused pass (to stay in a core's L2 cache).
+FUSED_BLOCK_BYTES = 384 << 10
+#: Gram products of at least this many multiply-adds (rows × p²) go to the side
+#: thread beside the main one's work; smaller ones cost less than the hand-off.
+SIDE_MIN_FLOPS = 1 << 22
 
 
 def solve_newton_system(hessian: np.ndarray, gradient: np.ndarray) -> np.ndarray:
@@ -96,15 +114,19 @@ class _Workspace:
         self.dtype = dtype
         self.rows = 0
         self.cols = 0
+        self.scaled_k: np.ndarray | None = None
 
-    def ensure(self, n: int, p: int) -> None:
-        if n <= self.rows and p == self.cols:
+    def ensure(self, n: int, p: int, side: bool) -> None:
+        if n <= self.rows and p == self.cols and (self.scaled_k is not None or not side):
             return
         rows = max(n, self.rows if p == self.cols else 0)
         dt = self.dtype
         self.design = np.empty((rows, p), dtype=dt)  # Z when an intercept is added
         self.scaled = np.empty((rows, p), dtype=dt)  # √(wκ) ⊙ Z for the Gram
-        names = ("r", "psi", "over", "lo", "hi", "kappa", "zdir", "t1", "t2")
+        # K's scaled Z, its own when K's Gram runs on the side thread beside J's.
+        self.scaled_k = np.empty((rows, p), dtype=dt) if side else None
+        names = ("r", "psi", "over", "lo", "hi", "kappa", "zdir", "t1", "t2", "t3", "t4")
+        names += ("zdir2", "r1", "r2", "psi1", "psi2")  # the fused LAMM pass's candidates
         for name in names:
             setattr(self, name, np.empty(rows, dtype=dt))
         self.active = np.empty(rows, dtype=bool)
@@ -123,11 +145,15 @@ class _Batch:
         config: HuberConfig,
         state: HuberState,
         schedule: BatchSchedule,
+        side: bool = False,
     ) -> None:
         n, d = X.shape
         p = state.n_params
         dt = config.np_dtype
-        ws.ensure(n, p)
+        side = side and n * p * p >= SIDE_MIN_FLOPS
+        ws.ensure(n, p, side)
+        #: Whether this batch's independent Gram products run side by side.
+        self.side = side
         if config.fit_intercept:
             Z = ws.design[:n]
             Z[:, :d] = X
@@ -136,8 +162,17 @@ class _Batch:
             Z = X
         self.Z, self.y, self.w = Z, y, w
         self.scaled = ws.scaled[:n]
-        for name in ("r", "psi", "over", "lo", "hi", "kappa", "zdir", "t1", "t2", "active"):
+        self.scaled_k = ws.scaled[:n] if ws.scaled_k is None else ws.scaled_k[:n]
+        names = ("r", "psi", "over", "lo", "hi", "kappa", "zdir", "t1", "t2", "t3", "t4")
+        for name in (*names, "active"):
             setattr(self, name, getattr(ws, name)[:n])
+        self.cand_zdir = [ws.zdir[:n], ws.zdir2[:n]]
+        self.cand_r = [ws.r1[:n], ws.r2[:n]]
+        self.cand_psi = [ws.psi1[:n], ws.psi2[:n]]
+        # Z too large for the cache: the LAMM trials stream it once per iteration in
+        # row blocks (see _Batch.trial_pass); smaller Z stays cached between GEMVs.
+        self.fused = Z.nbytes >= FUSED_MIN_BYTES
+        self.block_rows = max(64, FUSED_BLOCK_BYTES // (p * dt.itemsize))
         self.tau = dt.type(config.tau)
         self.half_inv_h = dt.type(0.5 / schedule.bandwidth)
         self.total = schedule.total_weight
@@ -157,25 +192,67 @@ class _Batch:
         np.subtract(self.y, r, out=r)
         self._clip_residuals()
 
-    def shift(self, zdir: np.ndarray) -> None:
-        """:meth:`evaluate` at β + e from the residuals at β, given zdir = Z e (no GEMV)."""
-        self.r -= zdir
+    def shift(self, zdir: np.ndarray, scale: float = 1.0) -> None:
+        """:meth:`evaluate` at β + scale · e from the residuals at β and zdir = Z e (no GEMV)."""
+        if scale == 1.0:
+            self.r -= zdir
+        else:
+            self.r -= np.multiply(zdir, scale, out=self.t1)
         self._clip_residuals()
 
+    def take(self, j: int) -> None:
+        """:meth:`evaluate` at the fused pass's candidate ``j`` (its r and ψ, swapped in)."""
+        self.r, self.cand_r[j] = self.cand_r[j], self.r
+        self.psi, self.cand_psi[j] = self.cand_psi[j], self.psi
+        self._bounds()
+
     def _clip_residuals(self) -> None:
-        r, psi = self.r, self.psi
-        np.clip(r, -self.tau, self.tau, out=psi)
-        np.subtract(r, psi, out=self.over)
+        np.clip(self.r, -self.tau, self.tau, out=self.psi)
+        self._bounds()
+
+    def _bounds(self) -> None:
+        psi = self.psi
+        np.subtract(self.r, psi, out=self.over)
         np.subtract(-self.tau, psi, out=self.lo)
         np.subtract(self.tau, psi, out=self.hi)
+
+    def trial_pass(self, steps: list[np.ndarray]) -> list[np.ndarray]:
+        """Z e, r − Z e, ψ(r − Z e) and Zᵀ(w ⊙ ψ(r − Z e)) for each step e, in one pass over Z.
+
+        Z is read in row blocks that stay in the cache while every step's
+        products are taken from them: one trip through memory where a GEMV per
+        step and a gradient GEMV would take one each. The products go to
+        ``cand_zdir``, ``cand_r`` and ``cand_psi`` (index = position in
+        ``steps``); the return value is each step's data term Zᵀ(w ⊙ ψ).
+        """
+        Z, r, w, tau = self.Z, self.r, self.w, self.tau
+        n, p = Z.shape
+        data = [np.zeros(p, dtype=Z.dtype) for _ in steps]
+        block = self.block_rows
+        for start in range(0, n, block):
+            stop = min(start + block, n)
+            zb, rb = Z[start:stop], r[start:stop]
+            for j, e in enumerate(steps):
+                zd = self.cand_zdir[j][start:stop]
+                rj = self.cand_r[j][start:stop]
+                pj = self.cand_psi[j][start:stop]
+                np.matmul(zb, e, out=zd)
+                np.subtract(rb, zd, out=rj)
+                np.clip(rj, -tau, tau, out=pj)
+                if w is not None:
+                    pj = np.multiply(w[start:stop], pj, out=self.t2[start:stop])
+                data[j] += pj @ zb
+        return data
 
     def weighted_sum(self, v: np.ndarray) -> float:
         return float(v.sum() if self.w is None else np.dot(self.w, v))
 
-    def gradient(self, beta: np.ndarray) -> np.ndarray:
-        """g(β) = [−Zᵀ(w ⊙ ψ) + J Δ] / N − (W/N) λ_{b−1} s."""
-        wpsi = self.psi if self.w is None else np.multiply(self.w, self.psi, out=self.t1)
-        g = self.J @ (beta - self.beta0) - self.Z.T @ wpsi
+    def gradient(self, beta: np.ndarray, data: np.ndarray | None = None) -> np.ndarray:
+        """g(β) = [−Zᵀ(w ⊙ ψ) + J Δ] / N − (W/N) λ_{b−1} s (``data``: Zᵀ(w ⊙ ψ) if known)."""
+        if data is None:
+            wpsi = self.psi if self.w is None else np.multiply(self.w, self.psi, out=self.t1)
+            data = self.Z.T @ wpsi
+        g = self.J @ (beta - self.beta0) - data
         g *= self.inv_total
         if self.sign0 is not None:
             g -= self.history * self.sign0
@@ -207,11 +284,15 @@ class _Batch:
         return scaled.T @ scaled
 
     def score_gram(self) -> np.ndarray:
-        """Zᵀ diag(w ⊙ ψ(r)²) Z through SYRK on (√w ⊙ |ψ|) ⊙ Z, at the evaluated r."""
-        s = np.abs(self.psi, out=self.t1)
+        """Zᵀ diag(w ⊙ ψ(r)²) Z through SYRK on (√w ⊙ |ψ|) ⊙ Z, at the evaluated r.
+
+        Its buffers are its own, so that it may run beside :meth:`gram` and
+        :meth:`loss`.
+        """
+        s = np.abs(self.psi, out=self.t3)
         if self.w is not None:
-            s *= np.sqrt(self.w, out=self.t2)
-        scaled = self.scaled
+            s *= np.sqrt(self.w, out=self.t4)
+        scaled = self.scaled_k
         np.multiply(self.Z, s[:, None], out=scaled)
         return scaled.T @ scaled
 
@@ -226,8 +307,11 @@ class _Batch:
     def remainder(self, zdir: np.ndarray, scale: float) -> float:
         """Σ w R_i for residual changes δ = scale · zdir (see rh_dask.core)."""
         dp, u = self.t1, self.t2
-        np.multiply(zdir, scale, out=dp)
-        dp += self.over
+        if scale == -1.0:
+            np.subtract(self.over, zdir, out=dp)
+        else:
+            np.multiply(zdir, scale, out=dp)
+            dp += self.over
         np.clip(dp, self.lo, self.hi, out=u)
         np.multiply(u, 0.5, out=self.kappa)  # κ is not needed again before gram()
         np.subtract(dp, self.kappa, out=dp)
@@ -283,6 +367,8 @@ class NumpyEngine:
             )
         self.config = config
         self.blas_threads = resolve_blas_threads(blas_threads)
+        # "auto" on one BLAS thread with a second core: independent products side by side.
+        self._side = side_by_side(blas_threads)
         self._state: HuberState | None = None
         self._ws = _Workspace(config.np_dtype)
 
@@ -336,7 +422,11 @@ class NumpyEngine:
             state = HuberState.empty(d, cfg.fit_intercept, dt)
         batch_weight = float(n) if w is None else float(np.sum(w, dtype=np.float64))
         schedule = batch_schedule(cfg, state, batch_weight)
-        batch = _Batch(self._ws, X, y, w, cfg, state, schedule)
+        # Side by side or alone: the faster for this shape class lately (either way
+        # the same bits). The class: dtype, p and the batch's rows to a power of 2.
+        side_class = (dt.str, d, cfg.fit_intercept, n.bit_length())
+        side = self._side and side_chooser().choose(side_class)
+        batch = _Batch(self._ws, X, y, w, cfg, state, schedule, side=side)
         if cfg.penalised:
             beta, iterations, converged = _solve_lamm(batch, cfg, schedule)
         else:
@@ -349,11 +439,15 @@ class NumpyEngine:
         objective = batch.objective(beta)
         if cfg.penalised:
             objective += schedule.lambda_value * float(np.abs(beta * batch.mask).sum())
-        information = state.information + batch.gram()
-        score_variance = None
-        if state.score_variance is not None:
-            score_variance = state.score_variance + batch.score_gram()
-        mean_loss, share, scale = batch.robust_diagnostics(batch_weight)
+        start = time.perf_counter()
+        with _Beside(
+            batch.score_gram if state.score_variance is not None else None, batch.side
+        ) as k:
+            information = state.information + batch.gram()
+            mean_loss, share, scale = batch.robust_diagnostics(batch_weight)
+        if self._side and n * state.n_params**2 >= SIDE_MIN_FLOPS:
+            side_chooser().record(side_class, batch.side, time.perf_counter() - start)
+        score_variance = None if k.value is None else state.score_variance + k.value
         self._state = HuberState(
             coefficients=beta,
             information=information,
@@ -405,6 +499,37 @@ class NumpyEngine:
         return np.ascontiguousarray(X), y, w
 
 
+class _Beside:
+    """Run ``fn`` on the side thread (``side``) or on entry, while the block runs.
+
+    ``value`` is its result after the block (``None`` when ``fn`` is). The
+    block's own work and ``fn`` must share no buffer. Exit waits for ``fn``
+    whatever happened in the block, so the workspace is never left in use;
+    an error of ``fn`` is raised there unless the block raised first.
+    """
+
+    def __init__(self, fn: Callable[[], Any] | None, side: bool) -> None:
+        self.fn, self.side = fn, side
+        self.value: Any = None
+        self._job: Any = None
+
+    def __enter__(self) -> _Beside:
+        if self.fn is not None:
+            if self.side:
+                self._job = side_executor().submit(self.fn)
+            else:
+                self.value = self.fn()
+        return self
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        if self._job is not None:
+            try:
+                self.value = self._job.result()
+            except BaseException:
+                if exc_type is None:
+                    raise
+
+
 def _solve_newton(
     batch: _Batch,
     cfg: HuberConfig,
@@ -420,10 +545,12 @@ def _solve_newton(
     ridge = batch.inv_total.dtype.type(cfg.ridge)
     converged = False
     iterations = 0
+    batch.evaluate(beta)
     for iterations in range(1, cfg.max_iter + 1):  # noqa: B007 - the count is reported
-        batch.evaluate(beta)
-        g = batch.gradient(beta)
-        H = batch.gram()
+        # The gradient's GEMV (memory-bound) beside the Gram's SYRK (compute-bound).
+        with _Beside(lambda beta=beta: batch.gradient(beta), batch.side) as grad:
+            H = batch.gram()
+        g = grad.value
         H += J
         H *= batch.inv_total
         H.flat[:: p + 1] += ridge
@@ -452,13 +579,24 @@ def _solve_newton(
         if step_converged(step, float(np.linalg.norm(beta)), cfg.tol):
             converged = True
             break
+        # r(β − tD) = r(β) + t Z D from the line search's Z D: no GEMV for the next
+        # iterate. The commit evaluates y − Zβ afresh, so no drift reaches the state.
+        batch.shift(batch.zdir, -t)
     return beta, iterations, converged
 
 
 def _solve_lamm(
     batch: _Batch, cfg: HuberConfig, schedule: BatchSchedule
 ) -> tuple[np.ndarray, int, bool]:
-    """Proximal gradient with a local majorisation (contract, L1)."""
+    """Proximal gradient with a local majorisation (contract, L1).
+
+    The trials of an iteration are the contract's, in its order (φ, 2φ, 4φ, ...,
+    the first that passes is taken). When Z is too large for the cache
+    (``batch.fused``), the first one or two trials' Z e and the gradient each
+    would need next are computed in one pass over Z (:meth:`_Batch.trial_pass`):
+    two trials when the previous iteration needed more than one (the usual
+    steady state, φ/2 failing after an accepted φ), else one.
+    """
     beta = batch.beta0.copy()
     J = batch.J
     dt = beta.dtype.type
@@ -467,29 +605,56 @@ def _solve_lamm(
     converged = False
     iterations = 0
     batch.evaluate(beta)
+    g = batch.gradient(beta)
+    ahead = 2  # trials evaluated together by the fused pass (first iteration: φ = 1 is small)
+
+    def candidate(phi: float) -> tuple[np.ndarray, np.ndarray]:
+        inv_phi = dt(1.0 / phi)
+        c = soft_threshold(beta - g * inv_phi, lam_mask * inv_phi)
+        return c, c - beta
+
+    def passes(e: np.ndarray, zdir: np.ndarray, phi: float) -> bool:
+        # F(c) − F(β) − gᵀe, with δ = −Z e.
+        excess = (batch.remainder(zdir, -1.0) + 0.5 * float(e @ J @ e)) / batch.total
+        return excess <= 0.5 * phi * float(e @ e) + LAMM_SLACK
+
     for iterations in range(1, cfg.max_iter + 1):  # noqa: B007 - the count is reported
-        g = batch.gradient(beta)
         accepted = False
-        for _ in range(LAMM_MAX_TRIALS):
-            inv_phi = dt(1.0 / phi)
-            candidate = soft_threshold(beta - g * inv_phi, lam_mask * inv_phi)
-            e = candidate - beta
+        taken = -1  # the fused candidate accepted, -1: none (or no fused pass)
+        trials = 0
+        if batch.fused:
+            pairs = [candidate(phi * 2.0**j) for j in range(ahead)]
+            data = batch.trial_pass([e for _, e in pairs])
+            for j, pair in enumerate(pairs):
+                trials += 1
+                if passes(pair[1], batch.cand_zdir[j], phi):
+                    accepted, taken = True, j
+                    c, e = pair
+                    break
+                phi *= 2.0
+        while not accepted and trials < LAMM_MAX_TRIALS:
+            trials += 1
+            c, e = candidate(phi)
             np.matmul(batch.Z, e, out=batch.zdir)
-            # F(c) − F(β) − gᵀe, with δ = −Z e.
-            excess = (batch.remainder(batch.zdir, -1.0) + 0.5 * float(e @ J @ e)) / batch.total
-            if excess <= 0.5 * phi * float(e @ e) + LAMM_SLACK:
+            if passes(e, batch.zdir, phi):
                 accepted = True
                 break
             phi *= 2.0
         if not accepted:
             break
         step = float(np.linalg.norm(e))
-        beta = candidate
+        beta = c
         phi = max(phi / 2.0, LAMM_MIN_PHI)
         if step_converged(step, float(np.linalg.norm(beta)), cfg.tol):
             converged = True
             break
-        # r(β + e) = r(β) − Z e, with Z e from the accepted trial: one GEMV fewer per
-        # iteration. The commit evaluates y − Zβ afresh, so no drift reaches the state.
-        batch.shift(batch.zdir)
+        # r(β + e) = r(β) − Z e, with Z e from the accepted trial: no GEMV for the next
+        # iterate. The commit evaluates y − Zβ afresh, so no drift reaches the state.
+        if taken >= 0:
+            batch.take(taken)
+            g = batch.gradient(beta, data[taken])
+        else:
+            batch.shift(batch.zdir)
+            g = batch.gradient(beta)
+        ahead = 2 if trials > 1 else 1
     return beta, iterations, converged

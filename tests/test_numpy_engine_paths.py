@@ -1,0 +1,171 @@
+"""The NumPy engine's fast paths give the plain path's answer.
+
+* Side by side (``blas-threads: auto`` on one BLAS thread with a second core):
+  the same one-thread products, overlapped, so the very same bits.
+* The fused LAMM pass (Z streamed once per iteration in row blocks, the
+  first two trials together): the contract's decisions in the contract's
+  order, so the same iteration counts, and states within its tolerances
+  (the gradient's sums are taken block by block).
+"""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+from threadpoolctl import threadpool_info
+
+from rh_dask import HuberConfig, NumpyEngine
+from rh_dask.engines import blas_threads as blas_threads_module
+from rh_dask.engines import numpy_engine as numpy_engine_module
+
+TOL = {"float64": {"rtol": 1e-8, "atol": 2e-9}, "float32": {"rtol": 3e-4, "atol": 3e-5}}
+
+
+def _stream(dtype: str, weighted: bool, n: int = 6000, d: int = 12, seed: int = 5):
+    rng = np.random.default_rng(seed)
+    X = rng.standard_normal((n, d)).astype(dtype)
+    beta = np.where(np.arange(d) % 3 == 0, 0.0, np.linspace(-2, 2, d))
+    y = (X @ beta + 0.5 + rng.standard_t(2, n)).astype(dtype)
+    w = rng.integers(0, 4, n).astype(dtype) if weighted else None
+    step = n // 4
+    return [
+        (X[i : i + step], y[i : i + step], None if w is None else w[i : i + step])
+        for i in range(0, n, step)
+    ]
+
+
+def _run(engine: NumpyEngine, batches) -> tuple[list, object]:
+    diags = [engine.partial_fit(X, y, w) for X, y, w in batches]
+    return diags, engine.export_state()
+
+
+class _Always:
+    """A chooser that always says side by side (and keeps what it is told)."""
+
+    def __init__(self) -> None:
+        self.records: list[tuple] = []
+
+    def choose(self, key) -> bool:
+        return True
+
+    def record(self, key, side, seconds) -> None:
+        self.records.append((key, side))
+
+
+def _side_engine(monkeypatch, config: HuberConfig, side: bool) -> NumpyEngine:
+    monkeypatch.setattr(blas_threads_module, "usable_cores", lambda: 2 if side else 1)
+    monkeypatch.setattr(numpy_engine_module, "side_chooser", lambda: _Always())
+    engine = NumpyEngine(config, blas_threads="auto")
+    assert engine.blas_threads == 1
+    return engine
+
+
+def test_the_chooser_tries_both_ways_then_takes_the_faster_and_probes_the_other():
+    chooser = blas_threads_module.SideChooser(keep=3, warmup=2, probe_every=5)
+    key = ("<f8", 90, True, 16)
+    times = {True: 1.0, False: 2.0}  # side by side twice as fast
+    ways = []
+    for _ in range(20):
+        way = chooser.choose(key)
+        ways.append(way)
+        chooser.record(key, way, times[way])
+    assert ways[:4] == [True, False, True, False]  # both ways, twice each
+    later = ways[4:]
+    assert later.count(False) == sum(1 for i in range(5, 21) if i % 5 == 0)  # the probes
+    assert chooser.medians()[key] == (2.0, 1.0)
+    # The host gets busy: side by side now slower; the probes see it, the choice follows.
+    times = {True: 3.0, False: 2.0}
+    for _ in range(20):
+        way = chooser.choose(key)
+        chooser.record(key, way, times[way])
+    assert chooser.medians()[key] == (2.0, 3.0)
+    assert chooser.choose(("<f8", 90, True, 12)) is True  # another class starts afresh
+
+
+def test_side_by_side_is_what_auto_does_on_two_cores_only():
+    assert blas_threads_module.side_by_side("auto", cores=2)
+    assert not blas_threads_module.side_by_side("auto", cores=1)
+    assert not blas_threads_module.side_by_side(1, cores=2)
+    assert not blas_threads_module.side_by_side(2, cores=2)
+    # Larger hosts keep the count in force: no second thread beside it.
+    many = blas_threads_module.SINGLE_THREAD_MAX_CORES + 1
+    assert not blas_threads_module.side_by_side("auto", cores=many)
+
+
+@pytest.mark.parametrize("penalty", ["none", "l1"])
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+@pytest.mark.parametrize("weighted", [False, True])
+def test_side_by_side_gives_the_same_bits(monkeypatch, penalty, dtype, weighted):
+    monkeypatch.setattr(numpy_engine_module, "SIDE_MIN_FLOPS", 0)
+    config = HuberConfig(penalty=penalty, dtype=dtype)
+    batches = _stream(dtype, weighted)
+    side_calls = []
+    score_gram = numpy_engine_module._Batch.score_gram
+
+    def recording(batch):
+        counts = [pool["num_threads"] for pool in threadpool_info() if pool["user_api"] == "blas"]
+        side_calls.append((threading.current_thread().name, counts))
+        return score_gram(batch)
+
+    monkeypatch.setattr(numpy_engine_module._Batch, "score_gram", recording)
+    alone_diags, alone = _run(_side_engine(monkeypatch, config, side=False), batches)
+    side_calls.clear()
+    side_diags, beside = _run(_side_engine(monkeypatch, config, side=True), batches)
+    # K's Gram ran on the side thread, under the engine's one-thread count.
+    assert len(side_calls) == len(batches)
+    for thread, counts in side_calls:
+        assert thread.startswith("rh-dask-numpy-side") and counts == [1] * len(counts)
+    for name in ("coefficients", "information", "score_variance"):
+        assert getattr(alone, name).tobytes() == getattr(beside, name).tobytes(), name
+    assert alone_diags == side_diags
+
+
+def test_an_error_on_the_side_thread_leaves_the_state_unchanged(monkeypatch):
+    monkeypatch.setattr(numpy_engine_module, "SIDE_MIN_FLOPS", 0)
+    engine = _side_engine(monkeypatch, HuberConfig(), side=True)
+    (X, y, _), (X2, y2, _) = _stream("float64", False)[:2]
+    engine.partial_fit(X, y)
+    before = engine.export_state()
+
+    def failing(batch):
+        raise FloatingPointError("side product failed")
+
+    monkeypatch.setattr(numpy_engine_module._Batch, "score_gram", failing)
+    with pytest.raises(FloatingPointError, match="side product failed"):
+        engine.partial_fit(X2, y2)
+    assert engine.export_state().equals(before)
+    monkeypatch.undo()
+    engine.partial_fit(X2, y2)
+    assert engine.batch_count == 2
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+@pytest.mark.parametrize("weighted", [False, True])
+@pytest.mark.parametrize("block_bytes", [1 << 10, 384 << 10])
+def test_the_fused_lamm_pass_takes_the_plain_paths_steps(
+    monkeypatch, dtype, weighted, block_bytes
+):
+    config = HuberConfig(penalty="l1", dtype=dtype)
+    batches = _stream(dtype, weighted, n=20_000, d=30)
+    plain_diags, plain = _run(NumpyEngine(config, blas_threads=1), batches)
+    fused_batches = []
+    trial_pass = numpy_engine_module._Batch.trial_pass
+
+    def counting(batch, steps):
+        fused_batches.append(len(steps))
+        return trial_pass(batch, steps)
+
+    monkeypatch.setattr(numpy_engine_module, "FUSED_MIN_BYTES", 0)
+    monkeypatch.setattr(numpy_engine_module, "FUSED_BLOCK_BYTES", block_bytes)
+    monkeypatch.setattr(numpy_engine_module._Batch, "trial_pass", counting)
+    fused_diags, fused = _run(NumpyEngine(config, blas_threads=1), batches)
+    assert set(fused_batches) == {1, 2}  # both one trial and two trials ahead were taken
+    assert [d.iterations for d in fused_diags] == [d.iterations for d in plain_diags]
+    assert [d.converged for d in fused_diags] == [d.converged for d in plain_diags]
+    for name in ("coefficients", "information", "score_variance"):
+        np.testing.assert_allclose(getattr(fused, name), getattr(plain, name), **TOL[dtype])
+    for a, b in zip(fused_diags, plain_diags, strict=True):
+        np.testing.assert_allclose(a.objective, b.objective, **TOL[dtype])
+    assert fused.n_samples_seen == plain.n_samples_seen
