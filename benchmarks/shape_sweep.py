@@ -21,6 +21,10 @@ whole stream (empty state → last batch) is timed through:
 * ``rh_gpu_pinned``   GPU engine, NumPy input already in pinned memory, back to back
 * ``rh_numpy_opp``    renewable-huber ``backend="numpy"``
 * ``rh_cupy_opp_host`` / ``rh_cupy_opp_device`` renewable-huber ``backend="cupy"``
+* ``rh_auto``         rh-dask ``engine="auto"``, fresh estimator per stream (cold lifecycle
+                      only): the engine it chose, its calibration's cost (paid once per process,
+                      in the warm-up run) and its time against the faster of ``rh_numpy`` and
+                      ``rh_gpu_host`` cold
 
 ``--gpu-option NAME=VALUE`` passes a ``GpuEngine`` keyword to every steady GPU mode (e.g.
 ``device_loop=auto``, ``wide_kernels=true``: options that are off by default).
@@ -173,6 +177,44 @@ def rh_estimator_cold(config, batches, runner, engine, to_input=None):
         return its
 
     return runner(setup, run)
+
+
+def rh_auto_cold(config, batches, runner):
+    """A fresh ``engine="auto"`` estimator per stream; its choice and calibration recorded.
+
+    The process's calibration cache is emptied first, so the first run (a
+    warm-up, outside the medians) calibrates; the timed runs reuse the
+    decision, as every later stream of the process would. The calibration's
+    own cost is reported beside the timings.
+    """
+    from rh_dask.engines.auto import default_calibrator
+
+    default_calibrator().forget()
+    params = config.to_dict()
+    seen: dict[str, Any] = {}
+
+    def run(_):
+        model = RenewableHuberRegressor(engine="auto", **params)
+        its = []
+        for X, y in batches:
+            model.partial_fit(X, y)
+            its.append(model.n_iter_)
+        choice = model.engine_choice_
+        if "engine" not in seen:  # the run that calibrated
+            seen["engine"] = model.engine_
+            if choice is not None:
+                seen["reason"] = choice.reason
+                seen["calibration_seconds"] = choice.calibration_seconds
+                seen["predicted_ratio"] = choice.predicted_ratio
+                seen["ratios"] = [list(r) for r in choice.ratios]
+                seen["fallback"] = choice.fallback
+        seen["later_runs_cached"] = bool(choice is not None and choice.cached)
+        seen["later_engine"] = model.engine_
+        return its
+
+    out = runner(lambda: None, run)
+    out["auto_choice"] = seen
+    return out
 
 
 def rh_gpu_steady(config, batches, runner, mode, gpu_options=None):
@@ -382,6 +424,10 @@ def sweep(args: argparse.Namespace) -> dict[str, Any]:
                 if args.cold and not args.quick:
                     record("rh_numpy", "cold", rh_estimator_cold, *common, cpu_runner, "numpy")
                 record("rh_numpy_opp", "steady", opponent, *common, cpu_runner, "numpy", "steady")
+                if args.cold and not args.quick:
+                    record("rh_numpy_opp", "cold", opponent, *common, cpu_runner, "numpy", "cold")
+                if args.cold:
+                    record("rh_auto", "cold", rh_auto_cold, *common, cpu_runner)
                 record(
                     "rh_cupy_opp_device",
                     "steady",
@@ -506,6 +552,7 @@ def derive(
     """
     out: dict[str, Any] = {}
     out.update(cold_ratio(case))
+    out.update(auto_summary(case))
     dev = _median(case, "rh_gpu_device")
     nb = case["batches"]
     if dev is None:
@@ -566,6 +613,41 @@ def derive(
 #: input takes at most this many times the same loop with CuPy input.
 COLD_HOST_TARGET = 1.5
 
+#: Issue 16 item 1: ``engine="auto"`` within this factor of the faster engine per case.
+AUTO_TARGET = 1.1
+
+
+def auto_summary(case: dict[str, Any]) -> dict[str, Any]:
+    """engine="auto"'s choice and its time against the faster explicit engine (cold lifecycle).
+
+    The faster of ``rh_numpy`` and ``rh_gpu_host`` (fresh estimators over the
+    same host batches); issue 16's target is auto ≤ 1.1 × that, calibration
+    reported apart (``auto_calibration_seconds``, once per process).
+    """
+    entry = case["results"].get("rh_auto", {}).get("cold")
+    if not entry or "median" not in entry:
+        return {}
+    choice = entry.get("auto_choice", {})
+    out: dict[str, Any] = {
+        "auto_engine": choice.get("engine"),
+        "auto_ms": entry["median"] * 1e3,
+        "auto_calibration_seconds": choice.get("calibration_seconds"),
+    }
+    explicit = {
+        name: m
+        for name, m in (
+            ("numpy", _median(case, "rh_numpy", "cold")),
+            ("gpu", _median(case, "rh_gpu_host", "cold")),
+        )
+        if m is not None
+    }
+    if explicit:
+        best = min(explicit, key=explicit.get)
+        out["auto_best_explicit"] = best
+        out["auto_over_best"] = entry["median"] / explicit[best]
+        out["auto_target_met"] = out["auto_over_best"] <= AUTO_TARGET
+    return out
+
 
 def cold_ratio(case: dict[str, Any]) -> dict[str, Any]:
     """The cold lifecycle's host and device medians (ms per stream), their ratio, the target."""
@@ -600,6 +682,15 @@ def one_line(case: dict[str, Any]) -> str:
             parts.append(f"{name}={m * 1e3:.2f}ms")
         elif name in case["results"]:
             parts.append(f"{name}=ERR")
+    auto = auto_summary(case)
+    if auto:
+        parts.append(f"auto={auto['auto_engine']} {auto['auto_ms']:.2f}ms")
+        if "auto_over_best" in auto:
+            met = "met" if auto["auto_target_met"] else "NOT met"
+            parts.append(
+                f"(x{auto['auto_over_best']:.2f} of {auto['auto_best_explicit']}, "
+                f"<= {AUTO_TARGET}: {met})"
+            )
     cold = cold_ratio(case)
     if "cold_host_over_device" in cold:
         met = "met" if cold["cold_host_target_met"] else "NOT met"
@@ -684,6 +775,7 @@ ALL_ENGINES = (
     "rh_numpy_opp",
     "rh_cupy_opp_device",
     "rh_cupy_opp_host",
+    "rh_auto",
 )
 
 
