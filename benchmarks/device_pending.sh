@@ -7,6 +7,7 @@
 #   bash benchmarks/device_pending.sh pool    # pinned pool: fresh estimators, host vs device
 #   bash benchmarks/device_pending.sh loop    # Newton device loop and blocked Cholesky
 #   bash benchmarks/device_pending.sh wide    # grid kernels of wide designs, against the peer
+#   bash benchmarks/device_pending.sh sweep   # issue 16's judged sweep (all engines, auto, cold)
 #
 # Each part stays under one device call's 10 minutes. What to look for is in each
 # part's comment; a part that passes is the evidence for turning its option on by default
@@ -54,8 +55,15 @@ wide)
     done
     python -m pytest -q -m gpu tests/test_gpu_engine.py -k "wide or sixteen" 2>&1 | tail -5
     ;;
+sweep)
+    # Every case of the issue's table and the wide shapes: the NumPy engine against the
+    # peer's (item 2, 16 cores), the cold lifecycle of every engine (item 3), engine="auto"'s
+    # choice and its time against the faster engine (item 1, auto_over_best <= 1.1).
+    python benchmarks/shape_sweep.py --quick --wide \
+        --output "$out/shape_sweep-h200.json" 2>&1 | tail -30
+    ;;
 *)
-    echo "usage: $0 tests|pool|loop|wide" >&2
+    echo "usage: $0 tests|pool|loop|wide|sweep" >&2
     exit 2
     ;;
 esac
