@@ -1,11 +1,18 @@
-"""Speed of the NumPy reference engine on whole streams (CPU).
+"""Speed of the NumPy reference engine on whole streams (CPU), per BLAS setting.
 
 Times one full stream (empty state → last batch) through ``NumpyEngine``,
 engine reused and reset outside the timer, for a few shapes, both dtypes and
 both penalties; optionally the same stream through renewable-huber's NumPy
-backend as an opponent. Writes schema-versioned JSON.
+backend as an opponent (a new estimator per repeat, at the process's BLAS
+threads). With ``--threads`` the engine runs once per ``blas_threads``
+setting given (``auto`` and counts): the measurement behind the per-shape
+rule of ``rh-dask.numpy.blas-threads``. Every repeat runs each contender
+once, in an order rotated between repeats (a contender that follows a
+multithreaded one meets its still-spinning BLAS threads). Writes
+schema-versioned JSON with every timing.
 
-    python benchmarks/numpy_engine.py --repeats 5 --output benchmarks/results/numpy_engine.json
+    python benchmarks/numpy_engine.py --repeats 5 --opponent --threads auto 1 2 \\
+        --output benchmarks/results/numpy_engine.json
 """
 
 from __future__ import annotations
@@ -18,8 +25,9 @@ from common import SHAPES, environment, fingerprint, summarize, write_json
 
 from rh_dask import HuberConfig, NumpyEngine
 from rh_dask.datasets import StreamSpec
+from rh_dask.engines.blas_threads import side_chooser
 
-SCHEMA = "rh-dask/bench/numpy-engine/1"
+SCHEMA = "rh-dask/bench/numpy-engine/2"
 
 
 def make_stream(rows: int, features: int, batch: int, dtype: str):
@@ -29,37 +37,53 @@ def make_stream(rows: int, features: int, batch: int, dtype: str):
     return [(X[s : s + batch], y[s : s + batch]) for s in range(0, rows, batch)], X, y
 
 
-def time_rh_dask(batches, config: HuberConfig, repeats: int):
-    engine = NumpyEngine(config)
-    samples, iterations = [], []
-    for _ in range(repeats + 1):  # the first pass warms caches and allocates workspaces
-        engine.reset()
-        its = []
-        start = time.perf_counter()
-        for X, y in batches:
-            its.append(engine.partial_fit(X, y).iterations)
-        samples.append(time.perf_counter() - start)
-        iterations.append(its)
-    return samples[1:], iterations[-1], engine.coefficients()
+class RhDask:
+    def __init__(self, config: HuberConfig, threads: int | str) -> None:
+        self.engine = NumpyEngine(config, blas_threads=threads)
+
+    def run(self, batches):
+        self.engine.reset()
+        its = [self.engine.partial_fit(X, y).iterations for X, y in batches]
+        return its, self.engine.coefficients()
 
 
-def time_opponent(batches, config: HuberConfig, repeats: int):
-    try:
+class Opponent:
+    def __init__(self, config: HuberConfig) -> None:
         import renewable_huber
-    except ImportError:
-        return None
-    samples, its = [], []
-    for _ in range(repeats + 1):
-        model = renewable_huber.RenewableHuberRegressor(
-            penalty=config.penalty, dtype=config.dtype, backend="numpy"
-        )
-        start = time.perf_counter()
+
+        self.kwargs = {"penalty": config.penalty, "dtype": config.dtype, "backend": "numpy"}
+        self.cls = renewable_huber.RenewableHuberRegressor
+
+    def run(self, batches):
+        model = self.cls(**self.kwargs)
         its = []
         for X, y in batches:
             model.partial_fit(X, y)
-            its.append(model.diagnostics_.iterations)
-        samples.append(time.perf_counter() - start)
-    return samples[1:], its, np.asarray(model.state_.coefficients)
+            its.append(int(model.diagnostics_.iterations))
+        return its, np.asarray(model.state_.coefficients)
+
+
+def time_case(contenders: dict, batches, repeats: int) -> tuple[dict, dict]:
+    names = list(contenders)
+    samples: dict[str, list[float]] = {name: [] for name in names}
+    out: dict[str, dict] = {}
+    for i in range(repeats + 1):  # the first round warms caches, workspaces and choices
+        k = i % len(names)
+        for name in names[k:] + names[:k]:
+            start = time.perf_counter()
+            its, coef = contenders[name].run(batches)
+            elapsed = time.perf_counter() - start
+            if i:
+                samples[name].append(elapsed)
+            out[name] = {"iterations": its, "coef": coef}
+    result = {}
+    for name in names:
+        result[name] = {
+            "stream_seconds": samples[name],
+            **summarize(samples[name]),
+            "iterations": out[name]["iterations"],
+        }
+    return result, {name: out[name]["coef"] for name in names}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -68,9 +92,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dtypes", nargs="+", default=["float64", "float32"])
     parser.add_argument("--penalties", nargs="+", default=["none", "l1"])
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument(
+        "--threads", nargs="+", default=["auto"], help="blas_threads settings: auto or counts"
+    )
     parser.add_argument("--opponent", action="store_true", help="also time renewable-huber")
     parser.add_argument("--output", default="benchmarks/results/numpy_engine.json")
     args = parser.parse_args(argv)
+    settings = [t if t == "auto" else int(t) for t in args.threads]
 
     cases = []
     for shape in args.shapes:
@@ -79,7 +107,14 @@ def main(argv: list[str] | None = None) -> int:
             batches, X, y = make_stream(rows, features, batch, dtype)
             for penalty in args.penalties:
                 config = HuberConfig(penalty=penalty, dtype=dtype)
-                samples, its, coef = time_rh_dask(batches, config, args.repeats)
+                contenders = {f"rh_dask_numpy[{t}]": RhDask(config, t) for t in settings}
+                if args.opponent:
+                    contenders["renewable_huber_numpy"] = Opponent(config)
+                results, coefs = time_case(contenders, batches, args.repeats)
+                ours = f"rh_dask_numpy[{settings[0]}]"
+                if args.opponent:
+                    diff = np.max(np.abs(coefs["renewable_huber_numpy"] - coefs[ours]))
+                    results["renewable_huber_numpy"]["max_abs_coef_diff"] = float(diff)
                 case = {
                     "shape": shape,
                     "rows": rows,
@@ -89,31 +124,22 @@ def main(argv: list[str] | None = None) -> int:
                     "dtype": dtype,
                     "penalty": penalty,
                     "dataset_sha256": fingerprint(X, y),
-                    "rh_dask_numpy": {
-                        "stream_seconds": samples,
-                        **summarize(samples),
-                        "iterations": its,
-                    },
+                    "results": results,
                 }
-                line = (
-                    f"{shape:9s} {dtype} {penalty:4s} rh-dask {np.median(samples) * 1e3:9.1f} ms"
-                )
-                if args.opponent:
-                    result = time_opponent(batches, config, args.repeats)
-                    if result is not None:
-                        o_samples, o_its, o_coef = result
-                        case["renewable_huber_numpy"] = {
-                            "stream_seconds": o_samples,
-                            **summarize(o_samples),
-                            "iterations": o_its,
-                            "max_abs_coef_diff": float(np.max(np.abs(o_coef - coef))),
-                        }
-                        ratio = np.median(o_samples) / np.median(samples)
-                        line += f" | renewable-huber {np.median(o_samples) * 1e3:9.1f} ms"
-                        line += f" ({ratio:.2f}x)"
-                print(line, flush=True)
                 cases.append(case)
-    write_json(args.output, {"schema": SCHEMA, "environment": environment(), "cases": cases})
+                line = f"{shape:9s} {dtype} {penalty:4s}"
+                for name, res in results.items():
+                    line += f" {name}={res['median'] * 1e3:.1f}ms"
+                print(line, flush=True)
+    side = {str(k): v for k, v in side_chooser().medians().items()}
+    payload = {
+        "schema": SCHEMA,
+        "environment": environment(),
+        "settings": {"repeats": args.repeats, "threads": settings, "opponent": args.opponent},
+        "side_by_side_commit_medians_seconds": side,
+        "cases": cases,
+    }
+    write_json(args.output, payload)
     print(f"wrote {args.output}")
     return 0
 

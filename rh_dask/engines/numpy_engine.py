@@ -547,10 +547,8 @@ def _solve_newton(
     iterations = 0
     batch.evaluate(beta)
     for iterations in range(1, cfg.max_iter + 1):  # noqa: B007 - the count is reported
-        # The gradient's GEMV (memory-bound) beside the Gram's SYRK (compute-bound).
-        with _Beside(lambda beta=beta: batch.gradient(beta), batch.side) as grad:
-            H = batch.gram()
-        g = grad.value
+        g = batch.gradient(beta)
+        H = batch.gram()
         H += J
         H *= batch.inv_total
         H.flat[:: p + 1] += ridge
