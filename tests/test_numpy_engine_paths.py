@@ -169,3 +169,20 @@ def test_the_fused_lamm_pass_takes_the_plain_paths_steps(
     for a, b in zip(fused_diags, plain_diags, strict=True):
         np.testing.assert_allclose(a.objective, b.objective, **TOL[dtype])
     assert fused.n_samples_seen == plain.n_samples_seen
+
+
+@pytest.mark.parametrize("penalty", ["none", "l1"])
+def test_the_measured_choice_changes_no_bit_of_a_stream(monkeypatch, penalty):
+    """The process's real chooser, switching ways between batches, against one thread alone."""
+    monkeypatch.setattr(numpy_engine_module, "SIDE_MIN_FLOPS", 0)
+    monkeypatch.setattr(blas_threads_module, "usable_cores", lambda: 2)
+    chooser = blas_threads_module.SideChooser(keep=3, warmup=1, probe_every=2)
+    monkeypatch.setattr(numpy_engine_module, "side_chooser", lambda: chooser)
+    config = HuberConfig(penalty=penalty)
+    batches = _stream("float64", True, n=8000) * 2
+    measured_diags, measured = _run(NumpyEngine(config, blas_threads="auto"), batches)
+    ways = [w for pair in chooser._samples.values() for w in map(len, pair)]
+    assert min(ways) >= 1  # both ways were taken
+    alone_diags, alone = _run(NumpyEngine(config, blas_threads=1), batches)
+    assert measured.equals(alone)
+    assert measured_diags == alone_diags
