@@ -8,6 +8,7 @@
 #   bash benchmarks/device_pending.sh loop    # Newton device loop and blocked Cholesky
 #   bash benchmarks/device_pending.sh wide    # grid kernels of wide designs, against the peer
 #   bash benchmarks/device_pending.sh sweep   # issue 16's judged sweep (all engines, auto, cold)
+#   bash benchmarks/device_pending.sh numpy   # NumPy engine's BLAS threads on 16 cores vs the peer
 #
 # Each part stays under one device call's 10 minutes. What to look for is in each
 # part's comment; a part that passes is the evidence for turning its option on by default
@@ -62,8 +63,15 @@ sweep)
     python benchmarks/shape_sweep.py --quick --wide \
         --output "$out/shape_sweep-h200.json" 2>&1 | tail -30
     ;;
+numpy)
+    # On 16 cores auto leaves the host's BLAS thread count as it is: if a fixed count
+    # (1, 2, 4) beats auto for a shape class, resolve_blas_threads needs a rule for large
+    # hosts (docs/performance.md, NumPy engine).
+    python benchmarks/numpy_engine.py --repeats 2 --threads auto 1 2 4 --opponent \
+        --output "$out/numpy_engine-h200-threads.json" 2>&1 | tail -17
+    ;;
 *)
-    echo "usage: $0 tests|pool|loop|wide|sweep" >&2
+    echo "usage: $0 tests|pool|loop|wide|sweep|numpy" >&2
     exit 2
     ;;
 esac
