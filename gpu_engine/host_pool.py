@@ -38,6 +38,7 @@ import atexit
 import ctypes
 import os
 import threading
+from collections import deque
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from types import ModuleType
@@ -47,6 +48,7 @@ import numpy as np
 
 __all__ = [
     "PINNED_IDLE_BYTES",
+    "GiveBackLock",
     "HostMemoryPool",
     "PinnedLease",
     "copy_executor",
@@ -65,6 +67,59 @@ LEASE_GRANULE = 1 << 20
 
 #: Threads of the process-wide pool that stages prefetched batches.
 PREFETCH_THREADS = 4
+
+
+class GiveBackLock:
+    """A lock, and give-backs that are applied under it without ever waiting for it.
+
+    Buffers come back from finalisers (``__del__``, ``weakref.finalize``),
+    which the garbage collector runs on whichever thread happens to allocate,
+    possibly one that holds this very lock (an engine in a reference cycle,
+    collected in the middle of a lease): a give-back that took the lock there
+    would deadlock. :meth:`put` queues the item and applies the queue only if
+    the lock is free; every holder applies what was queued meanwhile right
+    after it lets the lock go, so nothing stays queued once the lock is idle.
+
+    Parameters
+    ----------
+    apply : callable
+        ``apply(item)``, called with the lock held; returns a callable to run
+        after the lock is released (slow work such as freeing), or None.
+    """
+
+    def __init__(self, apply: Callable[[Any], Callable[[], None] | None]) -> None:
+        self._lock = threading.Lock()
+        self._apply = apply
+        self._queued: deque[Any] = deque()  # append and popleft are atomic
+
+    def __enter__(self) -> GiveBackLock:
+        self._lock.acquire()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._lock.release()
+        self.flush()
+
+    def put(self, item: Any) -> None:
+        """Queue ``item`` and apply the queue now if nobody holds the lock."""
+        self._queued.append(item)
+        self.flush()
+
+    def flush(self) -> None:
+        """Apply queued items if the lock is free (never waits for it)."""
+        while self._queued:
+            if not self._lock.acquire(blocking=False):
+                return  # its holder applies them when it lets go
+            later = []
+            try:
+                while self._queued:
+                    work = self._apply(self._queued.popleft())
+                    if work is not None:
+                        later.append(work)
+            finally:
+                self._lock.release()
+            for work in later:
+                work()
 
 
 class PinnedLease:
@@ -141,7 +196,7 @@ class HostMemoryPool:
         self._free = free
         self._granule = max(1, int(granule))
         self._max_idle = _check_bytes(max_idle_bytes)
-        self._lock = threading.Lock()
+        self._lock = GiveBackLock(self._take_back)
         # (address, size, fence), longest idle first.
         self._idle: list[tuple[int, int, Any]] = []
         self._generation = 0
@@ -231,20 +286,28 @@ class HostMemoryPool:
         return PinnedLease(self, ptr, size, generation)
 
     def _give(self, ptr: int, size: int, fence: Any, generation: int) -> None:
-        """A lease comes back: kept idle (within the bound) or freed."""
-        with self._lock:
-            if generation != self._generation:
-                return  # leased before a fork: the parent's memory, never freed here
-            self.leased_bytes -= size
-            if self._closed:
-                self.allocated_bytes -= size
-                if self._exiting:
-                    return  # the interpreter is going: the process's end releases it
-                drop = [(ptr, size, fence)]
-            else:
-                self._idle.append((ptr, size, fence))
-                drop = self._trim()
-        self._release(drop)
+        """A lease comes back: kept idle (within the bound) or freed.
+
+        Safe from a finaliser on a thread that holds the pool's lock: the
+        return is then applied when that thread lets the lock go.
+        """
+        self._lock.put((ptr, size, fence, generation))
+
+    def _take_back(self, entry: tuple[int, int, Any, int]) -> Callable[[], None] | None:
+        """Apply one return (with the lock); what to free afterwards, outside it."""
+        ptr, size, fence, generation = entry
+        if generation != self._generation:
+            return None  # leased before a fork: the parent's memory, never freed here
+        self.leased_bytes -= size
+        if self._closed:
+            self.allocated_bytes -= size
+            if self._exiting:
+                return None  # the interpreter is going: the process's end releases it
+            drop = [(ptr, size, fence)]
+        else:
+            self._idle.append((ptr, size, fence))
+            drop = self._trim()
+        return (lambda: self._release(drop)) if drop else None
 
     def _trim(self) -> list[tuple[int, int, Any]]:
         """Remove the longest-idle buffers beyond the bound (call with the lock)."""
@@ -294,7 +357,7 @@ class HostMemoryPool:
 
     def forget(self) -> None:
         """In a forked child: drop everything without a CUDA call, refuse new leases."""
-        self._lock = threading.Lock()  # the parent may have held it at the fork
+        self._lock = GiveBackLock(self._take_back)  # the parent may have held it at the fork
         self._generation += 1
         self._idle = []
         self._closed = True
@@ -330,7 +393,15 @@ def cuda_allocator(
         with cp.cuda.Device(device_id):
             return int(rt.hostAlloc(nbytes, flags))
 
-    return allocate, rt.freeHost
+    def free(ptr: int) -> None:
+        # In the device's context too: buffers are freed from whichever thread
+        # gives them back last (a finaliser, the exit handler), where another
+        # device may be current or none yet (cudaFreeHost would then create
+        # device 0's primary context just to free host memory).
+        with cp.cuda.Device(device_id):
+            rt.freeHost(ptr)
+
+    return allocate, free
 
 
 def device_pool(cp: ModuleType, device_id: int) -> HostMemoryPool:

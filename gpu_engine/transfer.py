@@ -40,7 +40,14 @@ from rh_dask.exceptions import ValidationError
 from rh_dask.validation import DLPACK_CUDA, DLPACK_DEVICE_NAMES
 
 from .driver import DriverCalls
-from .host_pool import HostMemoryPool, PinnedLease, copy_executor, device_pool, prefetch_executor
+from .host_pool import (
+    GiveBackLock,
+    HostMemoryPool,
+    PinnedLease,
+    copy_executor,
+    device_pool,
+    prefetch_executor,
+)
 
 #: Rows of one staging chunk are sized to about this many bytes.
 CHUNK_BYTES = 4 << 20
@@ -187,7 +194,8 @@ class PinnedPool:
         self._device_id = device_id
         self._dtype = np.dtype(dtype)
         self._source = source
-        self._lock = threading.Lock()
+        # Buffers come back from finalisers, possibly on a thread inside `with self._lock`.
+        self._lock = GiveBackLock(self._take_back)
         self._idle: list[_Pinned] = []
         self._leased = 0
         self._closed = False
@@ -315,13 +323,17 @@ class PinnedPool:
             return PinnedBuffer(self._cp, size)
 
     def _give(self, buffer: _Pinned) -> None:
-        with self._lock:
-            self._leased -= 1
-            if not self._closed:
-                self._idle.append(buffer)
-                return
-            self.allocated_bytes -= buffer.nbytes
-        buffer.free()
+        """A batch's buffer comes back (from a finaliser: never waits for the lock)."""
+        self._lock.put(buffer)
+
+    def _take_back(self, buffer: _Pinned) -> Any:
+        """Apply one return (with the lock); what to free afterwards, outside it."""
+        self._leased -= 1
+        if not self._closed:
+            self._idle.append(buffer)
+            return None
+        self.allocated_bytes -= buffer.nbytes
+        return buffer.free
 
     def close(self) -> None:
         """Free idle buffers now; leased ones are freed when their batches die."""
@@ -498,19 +510,28 @@ class HostStager:
             assert host is not None
             x_host = host.view(self._dtype, n * d).reshape(n, d)
             offsets = (0, slot.rows * d, slot.rows * (d + 1))
-            self._copy_rows(X, in_x, x_host, dev.data.ptr, host.ptr, item * d)
-            y_host = host.view(self._dtype, n, offsets[1] * item)
-            self._h2d_small(
-                y, in_y, y_host, dev.data.ptr + offsets[1] * item, host.ptr + offsets[1] * item
-            )
-            if w is not None:
-                w_host = host.view(self._dtype, n, offsets[2] * item)
+            try:
+                self._copy_rows(X, in_x, x_host, dev.data.ptr, host.ptr, item * d)
+                y_host = host.view(self._dtype, n, offsets[1] * item)
                 self._h2d_small(
-                    w, in_w, w_host, dev.data.ptr + offsets[2] * item, host.ptr + offsets[2] * item
+                    y, in_y, y_host, dev.data.ptr + offsets[1] * item, host.ptr + offsets[1] * item
                 )
-            slot.copied.record(self.stream)
+                if w is not None:
+                    w_host = host.view(self._dtype, n, offsets[2] * item)
+                    self._h2d_small(
+                        w,
+                        in_w,
+                        w_host,
+                        dev.data.ptr + offsets[2] * item,
+                        host.ptr + offsets[2] * item,
+                    )
+            finally:
+                # Also after a failed copy: the DMA queued before it must be fenced
+                # (the next staging and the pool wait for `copied` before the
+                # pinned memory is written again or handed to another holder).
+                slot.copied.record(self.stream)
+                slot.used = True
             slot.ready.record(self.stream)
-            slot.used = True
             return StagedBatch(
                 X=dev[: n * d].reshape(n, d),
                 y=dev[offsets[1] : offsets[1] + n],

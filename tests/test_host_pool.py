@@ -233,6 +233,91 @@ def test_forget_in_a_forked_child_makes_no_free_call_and_drops_old_leases(alloc)
         pool.lease(MiB)
 
 
+class _Cycle:
+    """A holder in a reference cycle: only the cyclic garbage collector frees it."""
+
+    def __init__(self, lease) -> None:
+        self.lease = lease
+        self.me = self
+
+
+def _on_a_thread(fn) -> bool:
+    """Run ``fn`` on a daemon thread; whether it returned (a deadlock keeps it waiting)."""
+    done = threading.Event()
+
+    def run() -> None:
+        fn()
+        done.set()
+
+    threading.Thread(target=run, daemon=True).start()
+    return done.wait(30)
+
+
+def test_a_lease_collected_on_the_thread_that_holds_the_pool_lock_does_not_deadlock(alloc):
+    """The collector runs finalisers on whichever thread allocates, even inside a lease."""
+    pool = _pool(alloc)
+    _Cycle(pool.lease(MiB))  # garbage now, freed by the next collection
+    seen = {}
+
+    def collect_while_locked() -> None:
+        with pool._lock:
+            gc.collect()  # the lease's __del__ gives it back here
+            seen["leased inside"] = pool.leased_bytes
+        seen["leased after"] = pool.leased_bytes
+
+    assert _on_a_thread(collect_while_locked), "the give-back waited for its own thread's lock"
+    assert seen == {"leased inside": MiB, "leased after": 0}  # applied when the lock went
+    assert pool.idle_bytes == MiB and pool.lease(MiB).nbytes == MiB and alloc.allocated == 1
+
+
+def test_a_pinned_batch_collected_while_its_pool_is_locked_goes_back_after(alloc):
+    source = _pool(alloc)
+    pool = PinnedPool(None, 0, np.float32, source=source)
+    X = np.ones((64, 4), np.float32)
+    y = np.ones(64, np.float32)
+    batch = pool.copy_batch(X, y, None)
+    holder = _Cycle(None)
+    holder.batch = batch
+    del batch, holder
+    seen = {}
+
+    def collect_while_locked() -> None:
+        with pool._lock:
+            gc.collect()  # the batch's buffer comes back through weakref.finalize
+            seen["inside"] = len(pool._idle)
+        seen["after"] = len(pool._idle)
+
+    assert _on_a_thread(collect_while_locked), "the give-back waited for its own thread's lock"
+    assert seen == {"inside": 0, "after": 1} and pool.buffers == 1
+
+
+def test_the_cuda_allocator_frees_in_the_devices_context(alloc):
+    current: list[int | None] = [None]
+    calls = []
+
+    @contextlib.contextmanager
+    def device(device_id):
+        before, current[0] = current[0], device_id
+        try:
+            yield
+        finally:
+            current[0] = before
+
+    def host_alloc(nbytes, flags):
+        calls.append(("alloc", current[0], flags))
+        return alloc.allocate(nbytes)
+
+    def free_host(ptr):
+        calls.append(("free", current[0]))
+        alloc.free(ptr)
+
+    runtime = SimpleNamespace(hostAllocPortable=1, hostAlloc=host_alloc, freeHost=free_host)
+    cp = SimpleNamespace(cuda=SimpleNamespace(runtime=runtime, Device=device))
+    allocate, free = host_pool.cuda_allocator(cp, 3)
+    free(allocate(MiB))
+    assert calls == [("alloc", 3, 1), ("free", 3)]
+
+
 def _fake_cp(alloc):
     runtime = SimpleNamespace(
         hostAllocPortable=1,
@@ -417,9 +502,10 @@ class _SimulatedCuda:
 
             def __init__(self, disable_timing=False):
                 self.synchronized = 0
+                self.records = 0
 
             def record(self, stream=None):
-                pass
+                self.records += 1
 
             def synchronize(self):
                 self.synchronized += 1
@@ -533,3 +619,30 @@ def test_prefetches_of_one_stager_are_staged_in_order_on_the_shared_threads(allo
     stager.close()
     assert order == [5000 + i for i in range(6)]
     assert last is not None and last.n == 5005
+
+
+def test_a_failed_staging_still_fences_the_copies_it_queued(alloc):
+    """A copy that fails after others were queued: `copied` is recorded after them."""
+    cp = _simulated_cupy(alloc)
+    stager = _stager(cp, _pool(alloc), threads=1)
+    real = stager._calls.copy_to_device
+    queued = []
+
+    def failing(dst, src, nbytes, stream):
+        if len(queued) == 1:  # X's DMA is queued, y's fails
+            raise RuntimeError("copy refused")
+        queued.append(nbytes)
+        real(dst, src, nbytes, stream)
+
+    stager._calls.copy_to_device = failing
+    slot = stager._slots[0]
+    with pytest.raises(RuntimeError, match="copy refused"):
+        stager.stage(*_host_batch(100, 4, 0))
+    assert queued and slot.copied.records == 1 and slot.used
+    assert slot.ready.records == 0  # the batch never becomes ready
+    stager._calls.copy_to_device = real
+    batch = _host_batch(100, 4, 1)
+    stager.stage(*batch)  # slot 1
+    _assert_staged(stager.stage(*batch), *batch)  # slot 0 again, after its fence
+    assert slot.copied.records == 2
+    stager.close()
