@@ -401,9 +401,9 @@ def test_refused_batches_leave_everything_alone_with_the_device_loop(max_iter):
 @needs_device
 def test_auto_uses_the_device_loop_and_graphs_off_the_host_loop():
     batches = _stream(10, [2000, 2000], "float64", 2)
-    auto = _fit(HuberConfig(), batches)
+    auto = _fit(HuberConfig(), batches, device_loop="auto")
     assert auto[4] is True and auto[5] is None, auto[5]
-    eager = _fit(HuberConfig(), batches, graphs=False)
+    eager = _fit(HuberConfig(), batches, device_loop="auto", graphs=False)
     assert eager[4] is False and eager[5] == "CUDA graphs are off (graphs=False)"
     assert auto[1].equals(eager[1])
     l1 = gpu_engine.GpuEngine(HuberConfig(penalty="l1"), device_loop="on")
