@@ -189,6 +189,23 @@ CU_GRAPH_COND_TYPE_WHILE = 1
 CU_GRAPH_COND_ASSIGN_DEFAULT = 1
 #: ``CUstreamCaptureMode``: relaxed, as the engine's other captures.
 CU_STREAM_CAPTURE_MODE_RELAXED = 2
+#: ``CUgraphNodeType`` names (cuda.h), for messages about a refused loop body.
+NODE_TYPE_NAMES = (
+    "kernel",
+    "memcpy",
+    "memset",
+    "host",
+    "child graph",
+    "empty",
+    "event wait",
+    "event record",
+    "semaphore signal",
+    "semaphore wait",
+    "memory allocation",
+    "memory free",
+    "batch memory op",
+    "conditional",
+)
 
 
 class ConditionalNodeParams(ctypes.Structure):
@@ -327,6 +344,19 @@ class GraphCalls:
         if check:
             self._check(status)
 
+    def node_types(self, graph: int) -> list[int]:
+        """The ``CUgraphNodeType`` of each node of ``graph`` (its own level only)."""
+        count = ctypes.c_size_t(0)
+        self._check(self._lib.cuGraphGetNodes(graph, None, ctypes.byref(count)))
+        nodes = (ctypes.c_void_p * max(count.value, 1))()
+        self._check(self._lib.cuGraphGetNodes(graph, nodes, ctypes.byref(count)))
+        kinds = []
+        for node in nodes[: count.value]:
+            kind = ctypes.c_int(-1)
+            self._check(self._lib.cuGraphNodeGetType(node, ctypes.byref(kind)))
+            kinds.append(int(kind.value))
+        return kinds
+
     def instantiate(self, graph: int) -> int:
         exec_ = ctypes.c_void_p()
         self._check(self._lib.cuGraphInstantiateWithFlags(ctypes.byref(exec_), graph, 0))
@@ -378,6 +408,8 @@ def graph_calls(cp: ModuleType) -> GraphCalls:
             "cuStreamEndCapture": [vp, vp],
             "cuGraphInstantiateWithFlags": [vp, vp, ull],
             "cuGraphExecDestroy": [vp],
+            "cuGraphGetNodes": [vp, vp, vp],
+            "cuGraphNodeGetType": [vp, vp],
         }
         try:
             for fname, argtypes in signatures.items():

@@ -19,7 +19,7 @@ from types import ModuleType
 from typing import Any
 
 from . import layout
-from .driver import DriverCalls, GraphCalls
+from .driver import NODE_TYPE_NAMES, DriverCalls, GraphCalls
 from .kernels import Kernels
 
 
@@ -123,6 +123,15 @@ class CapturedGraph:
             pass
 
 
+def describe_nodes(kinds: list[int]) -> str:
+    """``kinds`` (``CUgraphNodeType`` values) as counts by name: "12 kernel, 1 memset"."""
+    counts: dict[str, int] = {}
+    for kind in kinds:
+        name = NODE_TYPE_NAMES[kind] if 0 <= kind < len(NODE_TYPE_NAMES) else f"type {kind}"
+        counts[name] = counts.get(name, 0) + 1
+    return ", ".join(f"{count} {name}" for name, count in counts.items()) or "no nodes"
+
+
 class LoopGraph:
     """A CUDA graph of one WHILE conditional node, launched through :class:`DriverCalls`.
 
@@ -169,7 +178,18 @@ class LoopGraph:
                 graph_calls.end_capture(stream.ptr, check=False)
                 raise
             graph_calls.end_capture(stream.ptr)
-            self._exec = graph_calls.instantiate(self._graph)
+            try:
+                self._exec = graph_calls.instantiate(self._graph)
+            except Exception as exc:
+                # Most likely a node that a conditional body may not hold:
+                # say which kinds of node the capture put there.
+                try:
+                    nodes = describe_nodes(graph_calls.node_types(body_graph))
+                except Exception as listing:
+                    nodes = f"nodes that cannot be listed ({listing})"
+                raise RuntimeError(
+                    f"{type(exc).__name__}: {exc}; the loop body holds {nodes}"
+                ) from exc
         except BaseException:
             self.close()
             raise

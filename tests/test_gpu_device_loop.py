@@ -19,7 +19,7 @@ import pytest
 import gpu_engine
 from gpu_engine import device_loop, driver, layout, newton
 from gpu_engine.device_loop import DeviceLoop
-from gpu_engine.launch import LoopGraph
+from gpu_engine.launch import LoopGraph, describe_nodes
 from rh_dask import HuberConfig
 from rh_dask.datasets import StreamSpec
 from rh_dask.exceptions import EngineUnavailableError, ValidationError
@@ -98,8 +98,9 @@ def test_the_loop_kernel_compiles_with_nvrtc_and_no_include_path():
 class _FakeGraphCalls:
     """Records the driver calls a LoopGraph makes (no driver needed)."""
 
-    def __init__(self) -> None:
+    def __init__(self, refuse_instantiate: bool = False) -> None:
         self.log: list = []
+        self.refuse_instantiate = refuse_instantiate
 
     def create_graph(self):
         self.log.append("create")
@@ -120,7 +121,13 @@ class _FakeGraphCalls:
 
     def instantiate(self, graph):
         self.log.append(("instantiate", graph))
+        if self.refuse_instantiate:
+            raise RuntimeError("CUDA_ERROR_INVALID_VALUE")
         return 13
+
+    def node_types(self, graph):
+        self.log.append(("nodes", graph))
+        return [0, 0, 10, 0, 11, 2]
 
     def destroy_exec(self, graph_exec):
         self.log.append(("destroy_exec", graph_exec))
@@ -156,6 +163,22 @@ def test_a_loop_graph_captures_its_body_into_the_while_node_and_cleans_up_on_fai
     with pytest.raises(RuntimeError, match="conditional body"):
         LoopGraph(fake, calls, stream, refused)
     assert fake.log[-2:] == [("end", False), ("destroy", 11)]
+
+
+def test_a_refused_instantiation_names_the_body_nodes_and_cleans_up():
+    calls = SimpleNamespace(graph_launch=None)
+    fake = _FakeGraphCalls(refuse_instantiate=True)
+    message = (
+        "CUDA_ERROR_INVALID_VALUE; the loop body holds "
+        "3 kernel, 1 memory allocation, 1 memory free, 1 memset"
+    )
+    with pytest.raises(RuntimeError, match=message):
+        LoopGraph(fake, calls, SimpleNamespace(ptr=3), lambda handle: None)
+    # the body graph (12) is listed; the graph (11) destroyed, no executable made
+    assert fake.log[-3:] == [("instantiate", 11), ("nodes", 12), ("destroy", 11)]
+    assert driver.NODE_TYPE_NAMES[driver.CU_GRAPH_NODE_TYPE_CONDITIONAL] == "conditional"
+    assert describe_nodes([]) == "no nodes"
+    assert describe_nodes([5, 42]) == "1 empty, 1 type 42"
 
 
 class _Status:
