@@ -18,17 +18,29 @@ passes of one launch by the iteration cap even if a kernel failed to stop
 the solve (the search's cap makes that unreachable), so the device can never
 spin forever; it is reset whenever the loop ends.
 
-The kernel is compiled separately from ``huber.cu`` (its one device runtime
-call, ``cudaGraphSetConditional``, needs nothing but a declaration under
-NVRTC, but a toolkit that cannot compile it must not cost the engine its
-other kernels): where it cannot be compiled, or the driver lacks
-conditional nodes, or the body cannot be captured into one (a library call
-that a conditional body may not hold), ``device_loop="auto"`` keeps the host
+A conditional body may hold only kernel, memset, memcpy, empty, child graph
+and conditional nodes. A cuBLAS call captured while its handle has the
+default workspace (cuBLAS 12.2 and later) allocates the workspace with
+``cudaMallocAsync``: a memory allocation node, which a body refuses. So
+before the first loop is captured the engine's cuBLAS handle gets a
+workspace of its own, of the size of cuBLAS's default pool
+(:func:`blas_workspace_bytes`), kept for the engine's life
+(:meth:`DeviceLoop.bind_blas_workspace`). A refused body names its nodes in
+the error (:class:`~gpu_engine.launch.LoopGraph`).
+
+The kernel is compiled separately from ``huber.cu`` (a toolkit that cannot
+compile it must not cost the engine its other kernels). Its one device
+runtime call, ``cudaGraphSetConditional``, needs only its declaration under
+NVRTC and no ``-rdc``: the compiler leaves it an undefined function that the
+driver binds when it loads the module, as it binds ``vprintf``. Where the
+kernel cannot be compiled, or the driver lacks conditional nodes, or the
+body cannot be captured into one, ``device_loop="auto"`` keeps the host
 loop and says why in :attr:`DeviceLoop.error`; ``device_loop="on"`` raises.
 """
 
 from __future__ import annotations
 
+import ctypes
 import threading
 from collections.abc import Callable
 from types import ModuleType
@@ -41,6 +53,7 @@ from rh_dask.exceptions import EngineUnavailableError
 from . import layout
 from .driver import DriverCalls, graph_calls
 from .launch import Launch, LoopGraph
+from .solver import _loaded_library
 
 #: The ways ``GpuEngine(device_loop=...)`` may run the Newton iterations.
 DEVICE_LOOP_MODES = ("auto", "on", "off")
@@ -72,6 +85,28 @@ _PREAMBLES = (
 _LOCK = threading.Lock()
 _KERNELS: dict[int, Any] = {}
 _ERRORS: dict[int, str] = {}
+_SET_WORKSPACE: Any = None
+
+
+def blas_workspace_bytes(compute_capability: int) -> int:
+    """cuBLAS's default workspace pool on a device: 32 MiB from Hopper (9.0) on, else 4 MiB.
+
+    The loop's handle gets a workspace of this size so that cuBLAS has the
+    room, and so picks the algorithms, that it has with its default pool.
+    """
+    return (32 if compute_capability >= 90 else 4) * 1024 * 1024
+
+
+def _set_blas_workspace(handle: int, ptr: int, nbytes: int) -> int:
+    """``cublasSetWorkspace_v2(handle, ptr, nbytes)`` through the cuBLAS that CuPy loaded."""
+    global _SET_WORKSPACE
+    with _LOCK:
+        if _SET_WORKSPACE is None:
+            fn = _loaded_library("cublas").cublasSetWorkspace_v2
+            fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t]
+            fn.restype = ctypes.c_int
+            _SET_WORKSPACE = fn
+    return int(_SET_WORKSPACE(handle, ptr, nbytes))
 
 
 def loop_kernel(cp: ModuleType, device_id: int) -> Any:
@@ -146,11 +181,15 @@ class DeviceLoop:
         self.error: str | None = None
         #: Whether the next Newton solve tries the device loop.
         self.enabled = False
+        self._cp = cp
+        self._device_id = device_id
         self._calls = calls
         self._stream = stream
         self._graph_calls: Any = None
         self._kernel: Any = None
         self._passes: Any = None
+        self._blas_workspace: Any = None
+        self._blas_handle: int | None = None
         if mode == "off":
             return
         try:
@@ -158,7 +197,9 @@ class DeviceLoop:
                 raise RuntimeError("CUDA graphs are off (graphs=False)")
             self._graph_calls = graph_calls(cp)
             self._kernel = loop_kernel(cp, device_id)
-            with cp.cuda.Device(device_id):
+            # Zeroed on the engine's stream (non-blocking: the legacy stream's
+            # memset would not be ordered before the first loop launch).
+            with cp.cuda.Device(device_id), stream:
                 self._passes = cp.zeros(1, dtype=np.uint32)
         except Exception as exc:
             if mode == "on":
@@ -169,11 +210,43 @@ class DeviceLoop:
             return
         self.enabled = True
 
-    def build(self, ctl: Any, body: Callable[[], None]) -> LoopGraph:
+    def bind_blas_workspace(self, blas: int) -> None:
+        """Give the cuBLAS handle ``blas`` this loop's own workspace (once per handle).
+
+        Captured with its default workspace, a cuBLAS call allocates one
+        with ``cudaMallocAsync``, a node that a conditional body may not
+        hold; with a workspace set it allocates nothing. The workspace lives
+        as long as this object (the engine), so every graph captured with it
+        stays valid; the handle keeps it until ``cublasSetStream`` (the next
+        engine that leases the handle) restores the default pool.
+
+        Raises
+        ------
+        RuntimeError
+            When cuBLAS refuses the workspace.
+        """
+        if self._blas_handle == blas:
+            return
+        cp = self._cp
+        with cp.cuda.Device(self._device_id):
+            if self._blas_workspace is None:
+                # CuPy writes the capability as digits: "90" for 9.0
+                capability = int(cp.cuda.Device(self._device_id).compute_capability)
+                self._blas_workspace = cp.empty(blas_workspace_bytes(capability), dtype=np.uint8)
+            workspace = self._blas_workspace
+            status = _set_blas_workspace(blas, int(workspace.data.ptr), int(workspace.nbytes))
+        if status != 0:
+            raise RuntimeError(f"cublasSetWorkspace failed with status {status}")
+        self._blas_handle = blas
+
+    def build(self, ctl: Any, body: Callable[[], None], blas: int) -> LoopGraph:
         """A loop graph whose every pass is ``body`` followed by ``rh_loop_continue``.
 
-        Raises whatever the driver refuses; :meth:`give_up` decides what follows.
+        ``blas`` is the engine's cuBLAS handle, which gets the loop's
+        workspace first (:meth:`bind_blas_workspace`). Raises whatever the
+        driver refuses; :meth:`give_up` decides what follows.
         """
+        self.bind_blas_workspace(blas)
 
         def one_pass(handle: int) -> None:
             body()

@@ -93,8 +93,11 @@ class NewtonDriver:
         """
         run = self._parts.launcher.run
         self.small_solve = self._fused_solve_fits(p)
-        run(("prime", n), lambda: self._eval_and_gram(n))
+        # The loop graph first: building it gives cuBLAS the loop's workspace,
+        # which the prime graph's GEMM then uses too, and a loop that cannot
+        # be built with "on" raises before anything is queued.
         graph = self._loop_graph(n)
+        run(("prime", n), lambda: self._eval_and_gram(n))
         self.device_loop = graph is not None
         if graph is None:
             self._host_loop(n, p)
@@ -163,7 +166,7 @@ class NewtonDriver:
         if isinstance(graph, LoopGraph):
             return graph
         try:
-            graph = loop.build(self._parts.ws.ctl, lambda: self._step(n))
+            graph = loop.build(self._parts.ws.ctl, lambda: self._step(n), self._parts.dense.blas)
         except Exception as exc:  # a driver or a body that a conditional node refuses
             loop.give_up(exc)
             return None

@@ -181,6 +181,59 @@ def test_a_refused_instantiation_names_the_body_nodes_and_cleans_up():
     assert describe_nodes([5, 42]) == "1 empty, 1 type 42"
 
 
+class _FakeCupy:
+    """What ``DeviceLoop.bind_blas_workspace`` asks of CuPy."""
+
+    def __init__(self, capability: str) -> None:
+        self.allocated: list[int] = []
+        fake = self
+
+        class Device:
+            compute_capability = capability
+
+            def __init__(self, device_id: int) -> None:
+                pass
+
+            def __enter__(self):
+                return self
+
+            def __exit__(self, *exc) -> None:
+                pass
+
+        self.cuda = SimpleNamespace(Device=Device)
+
+        def empty(nbytes, dtype):
+            fake.allocated.append(nbytes)
+            return SimpleNamespace(data=SimpleNamespace(ptr=4096), nbytes=nbytes)
+
+        self.empty = empty
+
+
+@pytest.mark.parametrize("capability, mib", [("90", 32), ("100", 32), ("80", 4)])
+def test_the_loop_gives_cublas_a_workspace_of_the_default_pool_size_once(
+    capability, mib, monkeypatch
+):
+    set_calls = []
+    status = [0]
+
+    def set_workspace(handle, ptr, nbytes):
+        set_calls.append((handle, ptr, nbytes))
+        return status[0]
+
+    monkeypatch.setattr(device_loop, "_set_blas_workspace", set_workspace)
+    loop = DeviceLoop(_FakeCupy(capability), 0, None, None, "off", True)
+    cp_fake = loop._cp
+    loop.bind_blas_workspace(7)
+    loop.bind_blas_workspace(7)  # the same handle: nothing to do
+    assert set_calls == [(7, 4096, mib << 20)]
+    loop.bind_blas_workspace(8)  # another handle gets the same buffer
+    assert set_calls[-1] == (8, 4096, mib << 20) and cp_fake.allocated == [mib << 20]
+    status[0] = 7  # CUBLAS_STATUS_INVALID_VALUE
+    with pytest.raises(RuntimeError, match="cublasSetWorkspace failed with status 7"):
+        loop.bind_blas_workspace(9)
+    assert device_loop.blas_workspace_bytes(90) == 32 << 20
+
+
 class _Status:
     """The host-mapped status block as the stand-in device leaves it."""
 
@@ -243,8 +296,14 @@ def _stand_in_driver(max_iter: int, passes: list[dict[int, int]], monkeypatch):
         config=SimpleNamespace(max_iter=max_iter),
         calls=SimpleNamespace(synchronize=lambda stream: log.append("sync")),
         stream=SimpleNamespace(ptr=0),
+        dense=SimpleNamespace(blas=21),
     )
-    loop = SimpleNamespace(enabled=True, mode="auto", build=lambda ctl, body: Graph())
+
+    def build(ctl, body, blas):
+        log.append(("build", blas))
+        return Graph()
+
+    loop = SimpleNamespace(enabled=True, mode="auto", build=build)
     solver = newton.NewtonDriver(parts, "auto", loop)
     monkeypatch.setattr(solver, "_fused_solve_fits", lambda p: False)
     monkeypatch.setattr(solver, "_fallback", fallback)
@@ -256,11 +315,15 @@ def test_the_device_loop_returns_to_the_host_only_for_a_singular_factor(monkeypa
     passes = [
         {layout.I_FALLBACK: 1, layout.I_ITER: 2},  # two iterations, then a singular factor
         {layout.I_ITER: 5, layout.I_DONE: 1, layout.I_COMMITTED: 1},
+        {layout.I_ITER: 3, layout.I_DONE: 1, layout.I_COMMITTED: 1},  # the next batch
     ]
     solver, log = _stand_in_driver(100, passes, monkeypatch)
     solver.solve(10, 3)
     assert solver.device_loop
-    assert log == ["prime", "pass", "sync", "fallback", "pass", "sync"]
+    # built (cuBLAS's workspace bound) before the prime graph's GEMM is queued
+    assert log == [("build", 21), "prime", "pass", "sync", "fallback", "pass", "sync"]
+    solver.solve(10, 3)  # the next batch of the same shape reuses the loop graph
+    assert log[7:] == ["prime", "pass", "sync"]
 
 
 def test_the_device_loop_stops_at_the_first_sync_of_a_refused_batch(monkeypatch):
@@ -268,7 +331,7 @@ def test_the_device_loop_stops_at_the_first_sync_of_a_refused_batch(monkeypatch)
     solver, log = _stand_in_driver(100, passes, monkeypatch)
     with pytest.raises(ValidationError, match="finite"):
         solver.solve(10, 3)
-    assert log == ["prime", "pass", "sync"]
+    assert log == [("build", 21), "prime", "pass", "sync"]
 
 
 def test_a_loop_that_cannot_be_built_falls_back_to_the_host_loop(monkeypatch):
@@ -278,7 +341,7 @@ def test_a_loop_that_cannot_be_built_falls_back_to_the_host_loop(monkeypatch):
     loop = DeviceLoop.__new__(DeviceLoop)
     loop.mode, loop.enabled, loop.error = "auto", True, None
 
-    def build(ctl, body):
+    def build(ctl, body, blas):
         raise refused
 
     loop.build = build
