@@ -95,9 +95,11 @@ class NewtonDriver:
         self.small_solve = self._fused_solve_fits(p)
         # The loop graph first: building it gives cuBLAS the loop's workspace,
         # which the prime graph's GEMM then uses too, and a loop that cannot
-        # be built with "on" raises before anything is queued.
-        graph = self._loop_graph(n)
+        # be built with "on" raises before anything is queued. Asked for again
+        # after the prime graph: a failed capture of that one drops every graph.
+        self._loop_graph(n)
         run(("prime", n), lambda: self._eval_and_gram(n))
+        graph = self._loop_graph(n)
         self.device_loop = graph is not None
         if graph is None:
             self._host_loop(n, p)

@@ -241,12 +241,16 @@ class _Status:
         self.status_i = np.zeros(layout.N_INT, dtype=np.int32)
 
 
-def _stand_in_driver(max_iter: int, passes: list[dict[int, int]], monkeypatch):
+def _stand_in_driver(
+    max_iter: int, passes: list[dict[int, int]], monkeypatch, prime_fails: bool = False
+):
     """A NewtonDriver whose device work is replaced by ``passes``.
 
     Each launch of the loop graph (device loop) or of the step graph (host
     loop) applies the next entry of ``passes`` to the status block; the
-    fallback clears I_FALLBACK and counts as one iteration.
+    fallback clears I_FALLBACK and counts as one iteration. With
+    ``prime_fails`` the prime graph's capture fails as the real launcher's
+    would: graphs off, every graph dropped.
     """
     log: list[str] = []
     ws = _Status()
@@ -261,7 +265,10 @@ def _stand_in_driver(max_iter: int, passes: list[dict[int, int]], monkeypatch):
         def __init__(self) -> None:  # no driver: the stand-in runs passes
             pass
 
+        closed = False
+
         def launch(self, stream: int) -> None:
+            assert not self.closed, "a dropped loop graph was launched"
             device_pass()
 
         def close(self) -> None:
@@ -278,6 +285,11 @@ def _stand_in_driver(max_iter: int, passes: list[dict[int, int]], monkeypatch):
                 device_pass()
             else:
                 log.append(key[0])
+                if key[0] == "prime" and prime_fails and self.graphs:
+                    self.graphs = False
+                    for graph in self.cache.values():
+                        graph.closed = True
+                    self.cache.clear()
 
         def cached_graph(self, key):
             return self.cache.get(key)
@@ -324,6 +336,21 @@ def test_the_device_loop_returns_to_the_host_only_for_a_singular_factor(monkeypa
     assert log == [("build", 21), "prime", "pass", "sync", "fallback", "pass", "sync"]
     solver.solve(10, 3)  # the next batch of the same shape reuses the loop graph
     assert log[7:] == ["prime", "pass", "sync"]
+
+
+@pytest.mark.parametrize("mode", ["auto", "on"])
+def test_a_failed_prime_capture_never_launches_a_dropped_loop_graph(mode, monkeypatch):
+    done = {layout.I_ITER: 2, layout.I_DONE: 1}
+    passes = [{layout.I_ITER: 1}, done] if mode == "auto" else [done]  # steps, or one loop
+    solver, log = _stand_in_driver(100, passes, monkeypatch, prime_fails=True)
+    solver._loop.mode = mode
+    solver.solve(10, 3)
+    if mode == "auto":  # graphs are off: the host loop
+        assert not solver.device_loop
+        assert log == [("build", 21), "prime", "pass", "sync", "pass", "sync"]
+    else:  # "on" builds the loop again, outside the graph cache's drop
+        assert solver.device_loop
+        assert log == [("build", 21), "prime", ("build", 21), "pass", "sync"]
 
 
 def test_the_device_loop_stops_at_the_first_sync_of_a_refused_batch(monkeypatch):
