@@ -2,10 +2,15 @@
 
 Builds a GPU engine with ``device_loop="on"`` and one with ``"off"`` for a
 few streams (reference float32, latency float64, a weighted stream without
-intercept, a rank-deficient stream whose factors are singular) and asserts
-that every batch's diagnostics, the final state and the β mirror are the
-same bits. Then times the reference float32 stream (100,000 × 90 in
-32,768-row batches, CuPy input, empty state to last batch) both ways and
+intercept, a rank-deficient stream whose factors are singular, and the wide
+shape's p = 256 float64, whose Newton system goes through cuSOLVER and,
+at that size, cuSOLVER's own cuBLAS calls) and asserts that every batch's
+diagnostics, the final state and the β mirror are the same bits. A loop
+that cannot be built (``EngineUnavailableError`` with "on") is reported for
+its case, with the reason (a refused body names its nodes), as is any
+other error of a case, rather than ending the run. Then times the reference
+float32 stream (100,000 × 90 in 32,768-row batches, CuPy input, empty state
+to last batch) both ways and
 with the device loop and ``cholesky="blocked"``, alternating the engines,
 20 repeats each after a warm-up, and reports the medians per stream and per
 batch (and whether the blocked factorisation's β is within the contract's
@@ -16,6 +21,9 @@ float32 tolerance of cuSOLVER's). Runs in well under a minute on an H200.
 Prints the JSON; writes it to ``--output`` or, when ``$OUT`` is set, to
 ``$OUT/device_loop_check.json``. Exits 1 when the device loop was not used
 or a stream differs.
+
+The timing needs the loop on the reference stream; where it cannot be built
+there, the timing section holds the reason instead of timings.
 """
 
 from __future__ import annotations
@@ -34,6 +42,7 @@ from common import SHAPES, environment, summarize, write_json
 
 from rh_dask import HuberConfig
 from rh_dask.datasets import StreamSpec
+from rh_dask.exceptions import EngineUnavailableError
 
 SCHEMA = "rh-dask/bench/device-loop-check/1"
 
@@ -47,6 +56,7 @@ def _stream(rows: int, features: int, batch: int, dtype: str, seed: int = 7):
 def _cases() -> dict[str, tuple[HuberConfig, list, list | None]]:
     rows, features, batch = SHAPES["reference"]
     latency = SHAPES["latency"]
+    wide_rows, wide_features, wide_batch = SHAPES["wide"]
     weighted = _stream(12_000, 20, 4_000, "float64", seed=8)
     rng = np.random.default_rng(8)
     weights = [rng.integers(0, 4, len(y)).astype("float64") for _, y in weighted]
@@ -63,6 +73,11 @@ def _cases() -> dict[str, tuple[HuberConfig, list, list | None]]:
         "latency_float64": (HuberConfig(), _stream(*latency, "float64"), None),
         "weighted_no_intercept_float64": (HuberConfig(fit_intercept=False), weighted, weights),
         "singular_float32": (HuberConfig(dtype="float32", ridge=0.0), singular, None),
+        "wide_cusolver_float64": (
+            HuberConfig(),
+            _stream(wide_rows // 2, wide_features, wide_batch, "float64"),
+            None,
+        ),
     }
 
 
@@ -82,7 +97,18 @@ def _compare(cp, name, config, batches, weights) -> dict[str, Any]:
     results = {}
     for mode in ("on", "off"):
         engine = GpuEngine(config, device_loop=mode)
-        diagnostics = _run(cp, engine, data, dev_w)
+        try:
+            diagnostics = _run(cp, engine, data, dev_w)
+        except Exception as exc:  # EngineUnavailableError: "on", and no loop can be built
+            engine.close()
+            return {
+                "case": name,
+                "dtype": config.dtype,
+                "batches": len(batches),
+                "device_loop_error": f"device_loop={mode!r}: {type(exc).__name__}: {exc}",
+                "checks": {"device_loop_used": False},
+                "ok": False,
+            }
         state = engine.export_state()
         results[mode] = {
             "diagnostics": diagnostics,
@@ -120,10 +146,18 @@ def _time(cp, config, batches, repeats: int) -> dict[str, Any]:
     engines["on_blocked"] = GpuEngine(config, device_loop="on", cholesky="blocked")
     samples: dict[str, list[float]] = {mode: [] for mode in engines}
     iterations: dict[str, list[int]] = {}
+    unavailable: dict[str, str] = {}
     for mode, engine in engines.items():  # warm-up: compiles and captures every graph
         engine.reset()
-        iterations[mode] = [d.iterations for d in _run(cp, engine, data, None)]
+        try:
+            iterations[mode] = [d.iterations for d in _run(cp, engine, data, None)]
+        except EngineUnavailableError as exc:
+            unavailable[mode] = str(exc)
         cp.cuda.Device().synchronize()
+    if unavailable:
+        for engine in engines.values():
+            engine.close()
+        return {"unavailable": unavailable}
     for rep in range(repeats):
         order = ("on", "off", "on_blocked") if rep % 2 == 0 else ("on_blocked", "off", "on")
         for mode in order:
@@ -177,7 +211,7 @@ def main(argv: list[str] | None = None) -> int:
         "settings": {"repeats": args.repeats, "shape": "reference", "input": "cupy"},
         "bit_identity": cases,
         "reference_float32_timing": timing,
-        "ok": all(c["ok"] for c in cases),
+        "ok": all(c["ok"] for c in cases) and "unavailable" not in timing,
         "wall_seconds": time.perf_counter() - started,
     }
     output = args.output
@@ -185,16 +219,23 @@ def main(argv: list[str] | None = None) -> int:
         output = str(Path(os.environ["OUT"]) / "device_loop_check.json")
     if output:
         write_json(output, payload)
-    brief = {
+    brief: dict[str, Any] = {
         "ok": payload["ok"],
-        "cases": {c["case"]: (c["ok"], c["iterations"], c["device_loop_error"]) for c in cases},
-        "ms_per_batch_on": timing["device_loop_on"]["ms_per_batch"],
-        "ms_per_batch_off": timing["device_loop_off"]["ms_per_batch"],
-        "speedup_per_batch": timing["speedup_per_batch"],
-        "ms_per_batch_on_blocked": timing["device_loop_on_blocked"]["ms_per_batch"],
-        "blocked_within_tolerance": timing["blocked_within_tolerance_of_cusolver"],
+        "cases": {
+            c["case"]: (c["ok"], c.get("iterations"), c["device_loop_error"]) for c in cases
+        },
         "wall_seconds": payload["wall_seconds"],
     }
+    if "unavailable" in timing:
+        brief["timing_unavailable"] = timing["unavailable"]
+    else:
+        brief.update(
+            ms_per_batch_on=timing["device_loop_on"]["ms_per_batch"],
+            ms_per_batch_off=timing["device_loop_off"]["ms_per_batch"],
+            speedup_per_batch=timing["speedup_per_batch"],
+            ms_per_batch_on_blocked=timing["device_loop_on_blocked"]["ms_per_batch"],
+            blocked_within_tolerance=timing["blocked_within_tolerance_of_cusolver"],
+        )
     print(json.dumps(brief, indent=1, default=str))
     return 0 if payload["ok"] else 1
 
