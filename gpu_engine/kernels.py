@@ -62,6 +62,8 @@ class Kernels:
 
     def __init__(self, cp: ModuleType, device_id: int, dtype: np.dtype) -> None:
         ctype = {np.dtype(np.float32): "float", np.dtype(np.float64): "double"}[np.dtype(dtype)]
+        #: Each kernel's dynamic shared-memory limit as last read or set.
+        self._dynamic_limits: dict[str, int] = {}
         code = layout.cuda_defines() + SOURCE.read_text()
         expressions = [f"{name}<{ctype}>" for name in KERNEL_NAMES]
         with cp.cuda.Device(device_id):
@@ -86,11 +88,22 @@ class Kernels:
             raise AttributeError(name) from None
 
     def allow_shared(self, name: str, nbytes: int) -> None:
-        """Raise a kernel's dynamic shared-memory limit when a launch needs > 48 KiB."""
-        if nbytes > 48 * 1024:
-            kernel = self.functions[name]
-            if kernel.max_dynamic_shared_size_bytes < nbytes:
-                kernel.max_dynamic_shared_size_bytes = nbytes
+        """Raise a kernel's dynamic shared-memory limit to ``nbytes`` where it is lower.
+
+        A kernel's default limit is 48 KiB *less its static shared memory*
+        (``rh_wide_lamm_symv``'s 32 KiB of strip sums leave 16 KiB), so the
+        limit is read from the kernel, not assumed to be 48 KiB: a launch
+        between the two would fail. Call it outside graph captures; the
+        limit is cached, so repeated calls make no CUDA call.
+        """
+        limits = self._dynamic_limits
+        limit = limits.get(name)
+        if limit is None:
+            limit = int(self.functions[name].max_dynamic_shared_size_bytes)
+        if limit < nbytes:
+            self.functions[name].max_dynamic_shared_size_bytes = int(nbytes)
+            limit = int(nbytes)
+        limits[name] = limit
 
 
 def get_kernels(cp: ModuleType, device_id: int, dtype: np.dtype) -> Kernels:
