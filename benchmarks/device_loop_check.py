@@ -10,11 +10,11 @@ that cannot be built (``EngineUnavailableError`` with "on") is reported for
 its case, with the reason (a refused body names its nodes), as is any
 other error of a case, rather than ending the run. Then times the reference
 float32 stream (100,000 × 90 in 32,768-row batches, CuPy input, empty state
-to last batch) both ways and
-with the device loop and ``cholesky="blocked"``, alternating the engines,
-20 repeats each after a warm-up, and reports the medians per stream and per
-batch (and whether the blocked factorisation's β is within the contract's
-float32 tolerance of cuSOLVER's). Runs in well under a minute on an H200.
+to last batch) both ways and with the device loop and ``cholesky="blocked"``,
+alternating the engines, 20 repeats each after a warm-up, and reports the
+medians per stream and per batch (and whether the blocked factorisation's β
+is within the contract's float32 tolerance of cuSOLVER's). Runs in well
+under a minute on an H200.
 
     PYTHONPATH=. python benchmarks/device_loop_check.py [--repeats 20] [--output FILE]
 
