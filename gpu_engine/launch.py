@@ -167,10 +167,12 @@ class LoopGraph:
         self._g = graph_calls
         self._calls = calls
         self._exec = 0
+        self._body = 0
         self._graph = graph_calls.create_graph()
         try:
             ctx = graph_calls.current_context()
             handle, body_graph = graph_calls.add_while_node(self._graph, ctx, default=1)
+            self._body = body_graph
             graph_calls.begin_capture_to_graph(stream.ptr, body_graph)
             try:
                 body(handle)
@@ -197,6 +199,10 @@ class LoopGraph:
     def launch(self, stream: int) -> None:
         self._calls.graph_launch(self._exec, stream)
 
+    def body_node_types(self) -> list[int]:
+        """The ``CUgraphNodeType`` of each node of the body (GPU tests check the kinds)."""
+        return self._g.node_types(self._body)
+
     def close(self) -> None:
         """Destroy the executable and the graph (the body graph is the node's)."""
         if self._exec:
@@ -205,6 +211,7 @@ class LoopGraph:
         if self._graph:
             self._g.destroy_graph(self._graph)
             self._graph = 0
+            self._body = 0
 
     def __del__(self) -> None:  # pragma: no cover - interpreter shutdown order varies
         try:

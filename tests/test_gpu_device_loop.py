@@ -153,6 +153,8 @@ def test_a_loop_graph_captures_its_body_into_the_while_node_and_cleans_up_on_fai
     ]
     graph.launch(3)
     assert calls.launched == [(13, 3)]
+    assert graph.body_node_types() == [0, 0, 10, 0, 11, 2]
+    assert fake.log[-1] == ("nodes", 12)  # the body graph's
     graph.close()
     assert fake.log[-2:] == [("destroy_exec", 13), ("destroy", 11)]
 
@@ -524,6 +526,29 @@ def test_auto_uses_the_device_loop_and_graphs_off_the_host_loop():
         l1.partial_fit(cp.asarray(X), cp.asarray(y))
     assert not l1._newton.device_loop  # the LAMM queue is not the Newton loop
     l1.close()
+
+
+@gpu
+@needs_device
+@pytest.mark.parametrize("features, cholesky", [(16, "auto"), (90, "cusolver"), (90, "blocked")])
+def test_the_loop_body_holds_kernels_and_cublas_has_the_loops_workspace(features, cholesky):
+    """What the conditional body may hold, and the cuBLAS workspace that keeps it so."""
+    engine = gpu_engine.GpuEngine(HuberConfig(), device_loop="on", cholesky=cholesky)
+    (X, y), (X2, y2) = _stream(features, [4096, 1000], "float64", 4)
+    engine.partial_fit(cp.asarray(X), cp.asarray(y))
+    engine.partial_fit(cp.asarray(X2), cp.asarray(y2))  # a second shape, a second loop
+    loops = [g for g in engine._launcher._graph_cache.values() if isinstance(g, LoopGraph)]
+    assert len(loops) == 2
+    allowed = {0, 1, 2, 4, 5, 13}  # kernel, memcpy, memset, child graph, empty, conditional
+    for graph in loops:
+        kinds = graph.body_node_types()
+        assert set(kinds) <= allowed, describe_nodes(kinds)
+        assert kinds.count(0) >= 5  # solve, search, eval, GEMM, finish, continue
+    capability = int(cp.cuda.Device().compute_capability)
+    assert engine._loop._blas_handle == engine._dense.blas
+    assert engine._loop._blas_workspace.nbytes == device_loop.blas_workspace_bytes(capability)
+    engine.close()
+    assert not engine._launcher._graph_cache
 
 
 TOL = {"float64": (1e-8, 2e-9), "float32": (3e-4, 3e-5)}
