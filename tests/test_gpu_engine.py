@@ -210,6 +210,19 @@ def test_wide_designs_match_the_reference_and_repeat_bit_for_bit(dtype, penalty)
         again.close()
 
 
+@pytest.mark.parametrize("features", [339, 699])
+def test_l1_kernels_just_under_48_KiB_of_shared_memory_launch(features):
+    """Dynamic shared memory above a kernel's default limit (48 KiB less its static arrays).
+
+    float64, p = 340: rh_lamm_eval asks for 46,240 bytes beside 4 KiB of
+    static arrays; p = 700: rh_lamm_trials asks for 44,800 beside 6.25 KiB.
+    Both are under 48 KiB, where the limit was once left at its default.
+    """
+    config = HuberConfig(penalty="l1")
+    gpu, _ = _differential(config, _stream(features, [1500, 1200], "float64", seed=19))
+    gpu.close()
+
+
 def test_wide_rank_deficient_design_takes_the_fallback_like_the_reference():
     batches = []
     for X, y in _stream(300, [1500, 1500], "float64", seed=17):
