@@ -69,14 +69,16 @@ def test_driver_structures_have_the_cuda_h_layout():
     assert bytes(params) == bytes(256)  # every unused byte starts zero
 
 
-def test_the_loop_kernel_compiles_with_nvrtc_and_no_include_path():
-    """``cudaGraphSetConditional`` needs only its declaration: no header, no ``-rdc``."""
+def _nvrtc_cubin(code: str) -> tuple[int, str, bytes]:
+    """(NVRTC status, log, cubin) of ``code`` for sm_90, as the engine's options."""
     nvrtc = pytest.importorskip("test_kernel_compile").NVRTC
     if nvrtc is None:
         pytest.skip("NVRTC (nvidia-cuda-nvrtc) is not installed")
-    code = (layout.cuda_defines() + device_loop._PREAMBLES[0] + device_loop._KERNEL).encode()
     program = ctypes.c_void_p()
-    assert nvrtc.nvrtcCreateProgram(ctypes.byref(program), code, b"loop.cu", 0, None, None) == 0
+    assert (
+        nvrtc.nvrtcCreateProgram(ctypes.byref(program), code.encode(), b"loop.cu", 0, None, None)
+        == 0
+    )
     try:
         options = [b"--std=c++17", b"--gpu-architecture=sm_90"]
         status = nvrtc.nvrtcCompileProgram(
@@ -86,13 +88,32 @@ def test_the_loop_kernel_compiles_with_nvrtc_and_no_include_path():
         nvrtc.nvrtcGetProgramLogSize(program, ctypes.byref(size))
         log = ctypes.create_string_buffer(size.value)
         nvrtc.nvrtcGetProgramLog(program, log)
-        binary = ctypes.c_size_t(0)
-        nvrtc.nvrtcGetCUBINSize(program, ctypes.byref(binary))
+        cubin = b""
+        if status == 0:
+            nvrtc.nvrtcGetCUBINSize(program, ctypes.byref(size))
+            buffer = ctypes.create_string_buffer(size.value)
+            nvrtc.nvrtcGetCUBIN(program, buffer)
+            cubin = buffer.raw
     finally:
         nvrtc.nvrtcDestroyProgram(ctypes.byref(program))
-    assert status == 0, log.value.decode(errors="replace")
-    assert not log.value.strip(), log.value.decode(errors="replace")
-    assert binary.value > 0
+    return status, log.value.decode(errors="replace"), cubin
+
+
+def test_the_loop_kernel_compiles_with_nvrtc_and_no_include_path():
+    """``cudaGraphSetConditional`` needs only its declaration: no header, no ``-rdc``.
+
+    The cubin leaves it an undefined function for the driver to bind at load
+    time (as ``vprintf``); an ordinary extern function, the control, does not
+    link without ``-rdc``.
+    """
+    source = layout.cuda_defines() + device_loop._PREAMBLES[0] + device_loop._KERNEL
+    status, log, cubin = _nvrtc_cubin(source)
+    assert status == 0, log
+    assert not log.strip(), log
+    assert cubin.startswith(b"\x7fELF") and b"cudaGraphSetConditional" in cubin
+    control = source.replace("cudaGraphSetConditional", "rh_not_a_builtin")
+    status, log, _ = _nvrtc_cubin(control)
+    assert status != 0 and "Unresolved extern function" in log, log
 
 
 class _FakeGraphCalls:
