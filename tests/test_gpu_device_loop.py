@@ -572,6 +572,31 @@ def test_the_loop_body_holds_kernels_and_cublas_has_the_loops_workspace(features
     assert not engine._launcher._graph_cache
 
 
+@gpu
+@needs_device
+@pytest.mark.parametrize("dtype", ["float64", "float32"])
+def test_a_cublas_workspace_of_the_default_pool_size_leaves_the_host_loops_bits(dtype):
+    """The loop's workspace must not change cuBLAS's choice of GEMM algorithm.
+
+    Both engines run the host loop; one has the loop's workspace bound. If
+    this fails, the device loop's bits differ from the host loop's through
+    the GEMM alone, and the host loop should bind the same workspace.
+    """
+    batches = _stream(90, [32768, 32768, 1000], dtype, 3)
+    plain = _fit(HuberConfig(dtype=dtype), batches, device_loop="off")
+    engine = gpu_engine.GpuEngine(HuberConfig(dtype=dtype), device_loop="off")
+    capability = int(cp.cuda.Device().compute_capability)
+    workspace = cp.empty(device_loop.blas_workspace_bytes(capability), dtype=np.uint8)
+    status = device_loop._set_blas_workspace(
+        engine._dense.blas, int(workspace.data.ptr), int(workspace.nbytes)
+    )
+    assert status == 0
+    diagnostics = [engine.partial_fit(cp.asarray(X), cp.asarray(y)) for X, y in batches]
+    assert diagnostics == plain[0]
+    assert engine.export_state().equals(plain[1])
+    engine.close()
+
+
 TOL = {"float64": (1e-8, 2e-9), "float32": (3e-4, 3e-5)}
 
 
