@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 from . import layout
+from .kernels import Kernels
 from .launch import Launcher
 from .solver import DenseSolver
 from .workspace import Workspace
@@ -45,6 +46,16 @@ def row_pass(
         p * ws.item,
     )
     dense.gram_and_gradient(ws.Z, ws.ldz, ws.M, ws.ldm, ws.C, n, p)
+
+
+def allow_row_shared(kernels: Kernels, ws: Workspace, names: tuple[str, ...]) -> None:
+    """Let the row kernels ``names`` take β (p values, dynamic shared memory) at this p.
+
+    Past the kernels' default limit (48 KiB less their static arrays: p above
+    about 5,500 in float64) the launch would fail. Call it outside captures.
+    """
+    for name in names:
+        kernels.allow_shared(name, ws.p * ws.item)
 
 
 def commit_finish(launcher: Launcher, ws: Workspace) -> None:

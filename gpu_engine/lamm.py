@@ -15,7 +15,7 @@ from rh_dask.core import LAMM_MAX_TRIALS
 from rh_dask.exceptions import ValidationError
 
 from . import layout
-from .commit import commit, wide_symv
+from .commit import allow_row_shared, commit, wide_symv
 from .inputs import raise_if_invalid
 from .parts import DeviceParts
 
@@ -87,6 +87,7 @@ class LammDriver:
                 f"parameters; this stream has {ws.p}"
             )
         k.allow_shared("rh_lamm_eval", shared)
+        allow_row_shared(k, ws, ("rh_commit_eval",))
         trial_shared = layout.LAMM_ROUND * ws.ldp * ws.item
         if trial_shared + 8 * 1024 > k.max_shared:
             raise ValidationError(

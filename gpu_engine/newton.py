@@ -26,7 +26,7 @@ from rh_dask.core import singular_rtol
 from rh_dask.exceptions import ValidationError
 
 from . import layout
-from .commit import commit_finish, row_pass, wide_symv
+from .commit import allow_row_shared, commit_finish, row_pass, wide_symv
 from .device_loop import DeviceLoop
 from .inputs import raise_if_invalid
 from .launch import LoopGraph
@@ -178,9 +178,14 @@ class NewtonDriver:
     def _fused_solve_fits(self, p: int) -> bool:
         """Whether this p×p system goes through the fused one-block kernel.
 
-        Sets the kernel's shared-memory limit, which must not happen during
-        a graph capture.
+        Sets the shared-memory limits of this p's launches (the solve kernel's,
+        and the row kernels' β), which must not happen during a graph capture.
         """
+        allow_row_shared(
+            self._parts.kernels,
+            self._parts.ws,
+            ("rh_newton_eval", "rh_newton_search", "rh_commit_eval"),
+        )
         if self._cholesky == "cusolver":
             return False
         if self._cholesky == "auto" and p > FUSED_SOLVE_MAX_P:
