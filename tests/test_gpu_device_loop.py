@@ -342,6 +342,8 @@ def _stand_in_driver(
     solver = newton.NewtonDriver(parts, "auto", loop)
     monkeypatch.setattr(solver, "_fused_solve_fits", lambda p: False)
     monkeypatch.setattr(solver, "_fallback", fallback)
+    # kernel attributes set before any capture: nothing to set without a device
+    monkeypatch.setattr(newton, "allow_row_shared", lambda *args: None, raising=False)
     parts.ws.ctl = None
     return solver, log
 
