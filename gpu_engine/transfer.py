@@ -383,8 +383,13 @@ class _Slot:
         self.rows, self.cols = rows, d
 
     def release(self) -> None:
-        """Give the pinned buffer back to the pool (its copies are fenced by ``copied``)."""
+        """Give the pinned buffer back to the pool (its copies are fenced by ``copied``).
+
+        The slot then holds no rows, so that the next :meth:`ensure` leases
+        again (also after a lease that failed, e.g. out of page-locked memory).
+        """
         host, self.host = self.host, None
+        self.rows = self.cols = 0
         if host is not None:
             host.free()
 

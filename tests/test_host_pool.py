@@ -646,3 +646,29 @@ def test_a_failed_staging_still_fences_the_copies_it_queued(alloc):
     _assert_staged(stager.stage(*batch), *batch)  # slot 0 again, after its fence
     assert slot.copied.records == 2
     stager.close()
+
+
+def test_a_slot_whose_lease_failed_leases_again_on_the_next_staging(alloc):
+    cp = _simulated_cupy(alloc)
+    real = alloc.allocate
+    refused = []
+
+    def allocate(nbytes):
+        if len(refused) == 0 and nbytes > 2 * MiB:  # the grown slot's lease fails once
+            refused.append(nbytes)
+            raise MemoryError("out of page-locked memory")
+        return real(nbytes)
+
+    stager = _stager(cp, HostMemoryPool(allocate, alloc.free), threads=1)
+    small = _host_batch(100, 4, 0)
+    _assert_staged(stager.stage(*small), *small)  # slot 0 holds a small lease
+    stager.stage(*small)  # slot 1
+    big = _host_batch(40000, 16, 1)
+    with pytest.raises(MemoryError):
+        stager.stage(*big)  # slot 0 grows: its old lease went back, the new one failed
+    assert refused and stager._slots[0].host is None
+    stager.stage(*small)  # slot 1
+    _assert_staged(stager.stage(*small), *small)  # slot 0, a size it held before: leases again
+    stager.stage(*small)  # slot 1
+    _assert_staged(stager.stage(*big), *big)  # slot 0 grows again, now granted
+    stager.close()
