@@ -161,6 +161,10 @@ def test_the_fused_lamm_pass_takes_the_plain_paths_steps(
     monkeypatch.setattr(numpy_engine_module, "FUSED_BLOCK_BYTES", block_bytes)
     monkeypatch.setattr(numpy_engine_module._Batch, "trial_pass", counting)
     fused_diags, fused = _run(NumpyEngine(config, blas_threads=1), batches)
+    if dtype == "float32":  # float32 keeps the per-trial products: the same stream, bit for bit
+        assert fused_batches == []
+        assert fused.equals(plain) and fused_diags == plain_diags
+        return
     assert set(fused_batches) == {1, 2}  # both one trial and two trials ahead were taken
     assert [d.iterations for d in fused_diags] == [d.iterations for d in plain_diags]
     assert [d.converged for d in fused_diags] == [d.converged for d in plain_diags]

@@ -171,7 +171,10 @@ class _Batch:
         self.cand_psi = [ws.psi1[:n], ws.psi2[:n]]
         # Z too large for the cache: the LAMM trials stream it once per iteration in
         # row blocks (see _Batch.trial_pass); smaller Z stays cached between GEMVs.
-        self.fused = Z.nbytes >= FUSED_MIN_BYTES
+        # float64 only: in float32 the blocked products' other rounding moves β's last
+        # bits, which κ's steep ramp (width 2h) carries into J beyond the contract's float32
+        # tolerance against the per-trial GEMVs (seen with numpy 1.26's OpenBLAS).
+        self.fused = Z.dtype == np.float64 and Z.nbytes >= FUSED_MIN_BYTES
         self.block_rows = max(64, FUSED_BLOCK_BYTES // (p * dt.itemsize))
         self.tau = dt.type(config.tau)
         self.half_inv_h = dt.type(0.5 / schedule.bandwidth)
