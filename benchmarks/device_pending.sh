@@ -22,7 +22,12 @@ case "$part" in
 tests)
     # All pass, none skipped for an error: tests/test_gpu_*.py, the NVRTC compile,
     # the validation tests that need a device.
-    python -m pytest -q -m gpu -rs tests/ 2>&1 | tail -25
+    # First: each kernel's static shared memory and dynamic limit (the launchers raise the
+    # limit past the driver's default of 48 KiB less the static arrays, kernels.allow_shared).
+    python -c "import cupy, numpy as np; from gpu_engine.kernels import get_kernels
+k = get_kernels(cupy, 0, np.float64)
+for n, f in k.functions.items(): print(n, f.shared_size_bytes, f.max_dynamic_shared_size_bytes)"
+    python -m pytest -q -m gpu -rfs tests/ 2>&1 | tail -40
     ;;
 pool)
     # The cold lifecycle: host cold / device cold <= 1.5 on reference and streaming
@@ -35,7 +40,9 @@ loop)
     # Bit identity device loop / host loop ("ok": true, device_loop_error null), ms per
     # reference float32 batch with the loop (target 0.55) and without.
     python benchmarks/device_loop_check.py --output "$out/device_loop_check.json" 2>&1 | tail -25
-    python -m pytest -q -m gpu -rs tests/test_gpu_device_loop.py 2>&1 | tail -8
+    # The body's node kinds and the cuBLAS workspace first, then the workspace's own bits,
+    # then the bit identity (a refused body names the node kinds it held).
+    python -m pytest -q -m gpu -rfs tests/test_gpu_device_loop.py 2>&1 | tail -40
     python benchmarks/shape_sweep.py --shapes reference latency --dtypes float32 \
         --penalties none --engines rh_gpu_device rh_gpu_hostloop rh_gpu_blocked \
         rh_gpu_cusolver --repeats 20 --no-cold --gpu-option device_loop=auto \
