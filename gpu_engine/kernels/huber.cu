@@ -652,6 +652,60 @@ rh_wide_lamm_symv(const T* __restrict__ J, long long p, long long ldp,
 }
 
 // ---------------------------------------------------------------------------
+// The end of both one-block Newton solves, once A holds L (column-major, its
+// diagonal also in lcol) and vec the right-hand side: unless the factorisation
+// failed, L y = g and then Lᵀ x = y by one warp with the right-hand side in
+// registers; then L goes to H, the solution to D and the factor's status to ctl.
+// ---------------------------------------------------------------------------
+template <typename T>
+__device__ __forceinline__ void solve_factored(int q, const T* A, T* vec, const T* lcol,
+                                               int fail, int lane, int warp,
+                                               double* __restrict__ ctl, T* __restrict__ H,
+                                               T* __restrict__ D) {
+  const int qq = q * q;
+  if (warp == 0 && fail == 0) {
+    // L y = g, then Lᵀ x = y, one warp, the right-hand side in registers
+    T vr[RH_SOLVE_ROWS];
+#pragma unroll
+    for (int m = 0; m < RH_SOLVE_ROWS; ++m) {
+      const int i = lane + 32 * m;
+      vr[m] = i < q ? vec[i] : T(0);
+    }
+    for (int k = 0; k < q; ++k) {
+      const T yk = __shfl_sync(FULL_MASK, lane_register(vr, k) / lcol[k], k & 31);
+#pragma unroll
+      for (int m = 0; m < RH_SOLVE_ROWS; ++m) {
+        const int i = lane + 32 * m;
+        if (i > k && i < q) vr[m] -= A[i + k * q] * yk;
+        if (i == k) vr[m] = yk;
+      }
+    }
+    for (int k = q - 1; k >= 0; --k) {
+      const T xk = __shfl_sync(FULL_MASK, lane_register(vr, k) / lcol[k], k & 31);
+#pragma unroll
+      for (int m = 0; m < RH_SOLVE_ROWS; ++m) {
+        const int i = lane + 32 * m;
+        if (i < k) vr[m] -= A[k + i * q] * xk;
+        if (i == k) vr[m] = xk;
+      }
+    }
+#pragma unroll
+    for (int m = 0; m < RH_SOLVE_ROWS; ++m) {
+      const int i = lane + 32 * m;
+      if (i < q) vec[i] = vr[m];
+    }
+  }
+  __syncthreads();
+  for (int idx = threadIdx.x; idx < qq; idx += blockDim.x) H[idx] = A[idx];
+  for (int a = threadIdx.x; a < q; a += blockDim.x) D[a] = vec[a];
+  if (threadIdx.x == 0) {
+    int* ci = ctl_ints(ctl);
+    ci[RH_I_INFO] = fail;
+    ci[RH_I_INFO_SOLVE] = 0;
+  }
+}
+
+// ---------------------------------------------------------------------------
 // Newton, step 2 for small systems (one block, everything in shared memory):
 // the assembly of rh_newton_assemble, the Cholesky factorisation H = L Lᵀ
 // (right-looking, two barriers per column) and the two triangular solves
@@ -718,46 +772,7 @@ rh_newton_solve(const T* __restrict__ C, const T* __restrict__ J,
     }
   }
   __syncthreads();
-  if (warp == 0 && fail == 0) {
-    // L y = g, then Lᵀ x = y, one warp, the right-hand side in registers
-    T vr[RH_SOLVE_ROWS];
-#pragma unroll
-    for (int m = 0; m < RH_SOLVE_ROWS; ++m) {
-      const int i = lane + 32 * m;
-      vr[m] = i < q ? vec[i] : T(0);
-    }
-    for (int k = 0; k < q; ++k) {
-      const T yk = __shfl_sync(FULL_MASK, lane_register(vr, k) / lcol[k], k & 31);
-#pragma unroll
-      for (int m = 0; m < RH_SOLVE_ROWS; ++m) {
-        const int i = lane + 32 * m;
-        if (i > k && i < q) vr[m] -= A[i + k * q] * yk;
-        if (i == k) vr[m] = yk;
-      }
-    }
-    for (int k = q - 1; k >= 0; --k) {
-      const T xk = __shfl_sync(FULL_MASK, lane_register(vr, k) / lcol[k], k & 31);
-#pragma unroll
-      for (int m = 0; m < RH_SOLVE_ROWS; ++m) {
-        const int i = lane + 32 * m;
-        if (i < k) vr[m] -= A[k + i * q] * xk;
-        if (i == k) vr[m] = xk;
-      }
-    }
-#pragma unroll
-    for (int m = 0; m < RH_SOLVE_ROWS; ++m) {
-      const int i = lane + 32 * m;
-      if (i < q) vec[i] = vr[m];
-    }
-  }
-  __syncthreads();
-  for (int idx = threadIdx.x; idx < qq; idx += blockDim.x) H[idx] = A[idx];
-  for (int a = threadIdx.x; a < q; a += blockDim.x) D[a] = vec[a];
-  if (threadIdx.x == 0) {
-    int* ci = ctl_ints(ctl);
-    ci[RH_I_INFO] = fail;
-    ci[RH_I_INFO_SOLVE] = 0;
-  }
+  solve_factored(q, A, vec, lcol, fail, lane, warp, ctl, H, D);
 }
 
 // ---------------------------------------------------------------------------
@@ -843,46 +858,7 @@ rh_newton_solve_blocked(const T* __restrict__ C, const T* __restrict__ J,
     __syncthreads();
   }
   const int fail = s_fail;
-  if (warp == 0 && fail == 0) {
-    // L y = g, then Lᵀ x = y, one warp, the right-hand side in registers
-    T vr[RH_SOLVE_ROWS];
-#pragma unroll
-    for (int m = 0; m < RH_SOLVE_ROWS; ++m) {
-      const int i = lane + 32 * m;
-      vr[m] = i < q ? vec[i] : T(0);
-    }
-    for (int k = 0; k < q; ++k) {
-      const T yk = __shfl_sync(FULL_MASK, lane_register(vr, k) / lcol[k], k & 31);
-#pragma unroll
-      for (int m = 0; m < RH_SOLVE_ROWS; ++m) {
-        const int i = lane + 32 * m;
-        if (i > k && i < q) vr[m] -= A[i + k * q] * yk;
-        if (i == k) vr[m] = yk;
-      }
-    }
-    for (int k = q - 1; k >= 0; --k) {
-      const T xk = __shfl_sync(FULL_MASK, lane_register(vr, k) / lcol[k], k & 31);
-#pragma unroll
-      for (int m = 0; m < RH_SOLVE_ROWS; ++m) {
-        const int i = lane + 32 * m;
-        if (i < k) vr[m] -= A[k + i * q] * xk;
-        if (i == k) vr[m] = xk;
-      }
-    }
-#pragma unroll
-    for (int m = 0; m < RH_SOLVE_ROWS; ++m) {
-      const int i = lane + 32 * m;
-      if (i < q) vec[i] = vr[m];
-    }
-  }
-  __syncthreads();
-  for (int idx = threadIdx.x; idx < qq; idx += blockDim.x) H[idx] = A[idx];
-  for (int a = threadIdx.x; a < q; a += blockDim.x) D[a] = vec[a];
-  if (threadIdx.x == 0) {
-    int* ci = ctl_ints(ctl);
-    ci[RH_I_INFO] = fail;
-    ci[RH_I_INFO_SOLVE] = 0;
-  }
+  solve_factored(q, A, vec, lcol, fail, lane, warp, ctl, H, D);
 }
 
 // ---------------------------------------------------------------------------
