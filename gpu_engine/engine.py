@@ -359,11 +359,21 @@ class GpuEngine:
         Only this engine's leases go back (another live engine's are its own),
         once the copies out of them are over.
         """
+        self._close(finalising=False)
+
+    def _close(self, finalising: bool) -> None:
         if getattr(self, "_closed", True):
             return
         self._closed = True
         with self._cp.cuda.Device(self._device_id):
-            self._stream.synchronize()
+            if finalising:
+                # Collected as part of a reference cycle, this engine's CuPy stream
+                # and events may have been finalised (destroyed) before it: wait for
+                # the whole device instead of touching them. The staging fences are
+                # RawEvents, which only the pinned pool destroys.
+                self._cp.cuda.runtime.deviceSynchronize()
+            else:
+                self._stream.synchronize()
             self._inputs.stager.close()
             if self._pinned_pool is not None:
                 self._pinned_pool.close()
@@ -373,7 +383,7 @@ class GpuEngine:
 
     def __del__(self) -> None:  # pragma: no cover - depends on interpreter shutdown
         try:
-            self.close()
+            self._close(finalising=True)
         except Exception:
             pass
 

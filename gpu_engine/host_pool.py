@@ -51,6 +51,7 @@ __all__ = [
     "GiveBackLock",
     "HostMemoryPool",
     "PinnedLease",
+    "RawEvent",
     "copy_executor",
     "cuda_allocator",
     "device_pool",
@@ -122,6 +123,43 @@ class GiveBackLock:
                 work()
 
 
+class RawEvent:
+    """A CUDA event held by its integer handle, destroyed only by :meth:`close`.
+
+    The fence of a pinned lease. Unlike ``cupy.cuda.Event`` it has no
+    finaliser: when an engine in a reference cycle is collected, the
+    collector may run the finalisers of the cycle's objects in any order, so
+    a CuPy event could be destroyed before the lease that names it as its
+    fence gives the memory back, and the pool would later wait on a dangling
+    handle (a crash, or ``cudaErrorContextIsDestroyed``). The pool closes
+    the fence once it has waited for it; one never closed costs only its
+    handle.
+    """
+
+    __slots__ = ("_rt", "device_id", "ptr")
+
+    def __init__(self, cp: ModuleType, device_id: int) -> None:
+        self._rt = cp.cuda.runtime
+        self.device_id = device_id
+        with cp.cuda.Device(device_id):
+            self.ptr = int(self._rt.eventCreateWithFlags(self._rt.eventDisableTiming))
+
+    def record(self, stream: Any) -> None:
+        """Record on ``stream`` (a ``cupy.cuda.Stream``)."""
+        self._rt.eventRecord(self.ptr, stream.ptr)
+
+    def synchronize(self) -> None:
+        """Block until the work recorded before it is over."""
+        if self.ptr:
+            self._rt.eventSynchronize(self.ptr)
+
+    def close(self) -> None:
+        """Destroy the event (idempotent)."""
+        ptr, self.ptr = self.ptr, 0
+        if ptr:
+            self._rt.eventDestroy(ptr)
+
+
 class PinnedLease:
     """Page-locked host memory leased from a :class:`HostMemoryPool`.
 
@@ -175,6 +213,10 @@ class HostMemoryPool:
         The most bytes kept idle; the longest-idle buffers beyond it are freed.
     granule : int, default=LEASE_GRANULE
         Lease sizes are rounded up to a multiple of this.
+    fence_factory : callable, optional
+        ``fence_factory() -> fence``: a new fence for a holder to set on its
+        lease (:class:`RawEvent` for the process's CUDA pools); None lets
+        holders choose their own.
 
     Notes
     -----
@@ -191,8 +233,11 @@ class HostMemoryPool:
         *,
         max_idle_bytes: int = PINNED_IDLE_BYTES,
         granule: int = LEASE_GRANULE,
+        fence_factory: Callable[[], Any] | None = None,
     ) -> None:
         self._allocate = allocate
+        #: Makes a fence for a lease (None: the holder brings its own).
+        self.fence_factory = fence_factory
         self._free = free
         self._granule = max(1, int(granule))
         self._max_idle = _check_bytes(max_idle_bytes)
@@ -275,6 +320,7 @@ class HostMemoryPool:
             except BaseException:
                 self._give(ptr, size, fence, generation)
                 raise
+            _close_fence(fence)  # the new holder sets a fence of its own
             return PinnedLease(self, ptr, size, generation)
         ptr = int(self._allocate(size))  # outside the lock: pinning takes milliseconds
         with self._lock:
@@ -326,6 +372,7 @@ class HostMemoryPool:
             if fence is not None:
                 fence.synchronize()
             self._free(ptr)
+            _close_fence(fence)
             with self._lock:
                 self.frees += 1
 
@@ -351,6 +398,7 @@ class HostMemoryPool:
                 if fence is not None:
                     fence.synchronize()
                 self._free(ptr)
+                _close_fence(fence)
                 self.frees += 1
             except Exception:  # CUDA already torn down: the exit releases it
                 pass
@@ -363,6 +411,13 @@ class HostMemoryPool:
         self._closed = True
         self._exiting = True
         self.allocated_bytes = self.leased_bytes = 0
+
+
+def _close_fence(fence: Any) -> None:
+    """Destroy a fence the pool has waited for, if it can be (:class:`RawEvent`)."""
+    close = getattr(fence, "close", None)
+    if close is not None:
+        close()
 
 
 def _check_bytes(value: Any) -> int:
@@ -408,13 +463,15 @@ def device_pool(cp: ModuleType, device_id: int) -> HostMemoryPool:
     """The process's pinned staging pool for ``device_id`` (created on first use).
 
     Its buffers are allocated portable (``cudaHostAllocPortable``) in that
-    device's context (:func:`cuda_allocator`).
+    device's context (:func:`cuda_allocator`); its fences are :class:`RawEvent`.
     """
     global _EXIT_REGISTERED
     with _LOCK:
         pool = _POOLS.get(device_id)
         if pool is None:
-            pool = HostMemoryPool(*cuda_allocator(cp, device_id))
+            pool = HostMemoryPool(
+                *cuda_allocator(cp, device_id), fence_factory=lambda: RawEvent(cp, device_id)
+            )
             _POOLS[device_id] = pool
             if not _EXIT_REGISTERED:
                 # Registered after CuPy is imported, so it runs before CuPy's own

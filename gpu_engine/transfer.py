@@ -360,7 +360,9 @@ class _Slot:
         self.cols = 0
         self.host: PinnedLease | None = None
         self.device: Any = None
-        self.copied = cp.cuda.Event(disable_timing=True)  # DMA out of the pinned buffer done
+        # DMA out of the pinned buffer done: the lease's fence, a new one per lease
+        # (the pool destroys a fence once it has waited for it).
+        self.copied: Any = None
         self.ready = cp.cuda.Event(disable_timing=True)  # device buffers hold the batch
         self.consumed = cp.cuda.Event(disable_timing=True)  # the engine has read them
         self.used = False
@@ -377,6 +379,8 @@ class _Slot:
         count = rows * (d + 2)  # X, then y, then w
         self.release()
         self.host = self.pool.lease(count * self.dtype.itemsize)
+        factory = self.pool.fence_factory
+        self.copied = factory() if factory is not None else self.cp.cuda.Event(disable_timing=True)
         # The pool waits for this event before anyone else writes the memory.
         self.host.fence = self.copied
         self.device = self.cp.empty(count, dtype=self.dtype)
@@ -390,6 +394,7 @@ class _Slot:
         """
         host, self.host = self.host, None
         self.rows = self.cols = 0
+        self.copied = None  # the pool's now: never recorded or waited for by this slot again
         if host is not None:
             host.free()
 
@@ -498,7 +503,8 @@ class HostStager:
             if slot.used:
                 # The pinned buffer is rewritten below: its previous DMA must be over;
                 # the device buffers too: the engine must have read them.
-                self._calls.event_wait(slot.copied)
+                if slot.copied is not None:  # None: the lease went back (fenced) already
+                    self._calls.event_wait(slot.copied)
                 self._calls.stream_wait(self.stream.ptr, slot.consumed.ptr)
                 if n > slot.rows or d != slot.cols:
                     slot.consumed.synchronize()  # the old buffers are about to be freed
@@ -686,6 +692,7 @@ class HostStager:
         for future in inflight:
             future.exception()  # waits; a dropped prefetch's error is of no use now
         for slot in self._slots:
-            slot.copied.synchronize()
+            if slot.copied is not None:
+                slot.copied.synchronize()
             slot.sources = ()
             slot.release()
