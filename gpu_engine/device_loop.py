@@ -26,7 +26,11 @@ before the first loop is captured the engine's cuBLAS handle gets a
 workspace of its own, of the size of cuBLAS's default pool
 (:func:`blas_workspace_bytes`), kept for the engine's life
 (:meth:`DeviceLoop.bind_blas_workspace`). A refused body names its nodes in
-the error (:class:`~gpu_engine.launch.LoopGraph`).
+the error (:class:`~gpu_engine.launch.LoopGraph`). cuSOLVER's factorisation
+still allocates inside a capture (two allocation and two free nodes on the
+H200 with CUDA 13), so the loop holds only the fused one-block solve
+(``cholesky="kernel"`` or ``"blocked"``, or ``"auto"`` where the system fits
+in shared memory); a solve through cuSOLVER keeps the host loop.
 
 The kernel is compiled separately from ``huber.cu`` (a toolkit that cannot
 compile it must not cost the engine its other kernels). Its one device

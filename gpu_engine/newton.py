@@ -23,7 +23,7 @@ loop exits to the host for it and is launched again if the solve goes on.
 from __future__ import annotations
 
 from rh_dask.core import singular_rtol
-from rh_dask.exceptions import ValidationError
+from rh_dask.exceptions import EngineUnavailableError, ValidationError
 
 from . import layout
 from .commit import allow_row_shared, commit_finish, row_pass, wide_symv
@@ -162,6 +162,18 @@ class NewtonDriver:
         """
         loop, launcher = self._loop, self._parts.launcher
         if loop is None or not loop.enabled or not (launcher.graphs or loop.mode == "on"):
+            return None
+        if not self.small_solve:
+            # cuSOLVER's factorisation allocates inside a capture (memory
+            # allocation and free nodes, measured on the H200), which a conditional
+            # body refuses; a failed capture of it is not attempted at all.
+            reason = (
+                "the Newton step factorises with cuSOLVER (p too large for the fused "
+                "one-block kernel, or cholesky='cusolver'), which a device loop cannot hold"
+            )
+            if loop.mode == "on":
+                raise EngineUnavailableError(f"device_loop='on', but {reason}")
+            loop.error = reason
             return None
         key = ("loop", n, self.small_solve)
         graph = launcher.cached_graph(key)

@@ -22,7 +22,7 @@ from gpu_engine.device_loop import DeviceLoop
 from gpu_engine.launch import LoopGraph, describe_nodes
 from rh_dask import HuberConfig
 from rh_dask.datasets import StreamSpec
-from rh_dask.exceptions import EngineUnavailableError, ValidationError
+from rh_dask.exceptions import EngineUnavailableError, NotFittedError, ValidationError
 
 try:
     import cupy as cp
@@ -340,12 +340,32 @@ def _stand_in_driver(
 
     loop = SimpleNamespace(enabled=True, mode="auto", build=build)
     solver = newton.NewtonDriver(parts, "auto", loop)
-    monkeypatch.setattr(solver, "_fused_solve_fits", lambda p: False)
+    # The device loop holds only the fused one-block solve (cuSOLVER allocates in a capture).
+    monkeypatch.setattr(solver, "_fused_solve_fits", lambda p: True)
     monkeypatch.setattr(solver, "_fallback", fallback)
     # kernel attributes set before any capture: nothing to set without a device
     monkeypatch.setattr(newton, "allow_row_shared", lambda *args: None, raising=False)
     parts.ws.ctl = None
     return solver, log
+
+
+@pytest.mark.parametrize("mode", ["auto", "on"])
+def test_a_cusolver_solve_never_captures_a_device_loop(mode, monkeypatch):
+    """cuSOLVER allocates inside a capture: no loop is built; "on" refuses, "auto" says why."""
+    passes = [{layout.I_ITER: 1, layout.I_DONE: 1, layout.I_COMMITTED: 1}]
+    solver, log = _stand_in_driver(100, passes, monkeypatch)
+    monkeypatch.setattr(solver, "_fused_solve_fits", lambda p: False)
+    solver._loop.mode = mode
+    solver._loop.error = None
+    if mode == "on":
+        with pytest.raises(EngineUnavailableError, match="cuSOLVER"):
+            solver.solve(10, 300)
+        assert log == []  # refused before anything was queued
+        return
+    solver.solve(10, 300)
+    assert not solver.device_loop
+    assert "cuSOLVER" in solver._loop.error
+    assert not any(isinstance(entry, tuple) and entry[0] == "build" for entry in log)
 
 
 def test_the_device_loop_returns_to_the_host_only_for_a_singular_factor(monkeypatch):
@@ -470,9 +490,34 @@ def _assert_bit_identical(config, batches, weights=None, **options):
 def test_device_loop_gives_the_host_loops_bits(features, sizes, dtype, cholesky):
     if cholesky in ("kernel", "blocked") and features > 200:
         pytest.skip("the fused kernel holds the system in shared memory")
-    _assert_bit_identical(
-        HuberConfig(dtype=dtype), _stream(features, sizes, dtype, 3), cholesky=cholesky
-    )
+    config, batches = HuberConfig(dtype=dtype), _stream(features, sizes, dtype, 3)
+    if _solves_with_cusolver(config, batches[0], cholesky):
+        _assert_cusolver_keeps_the_host_loop(config, batches, cholesky)
+    else:
+        _assert_bit_identical(config, batches, cholesky=cholesky)
+
+
+def _solves_with_cusolver(config, batch, cholesky):
+    engine = gpu_engine.GpuEngine(config, device_loop="off", cholesky=cholesky)
+    engine.partial_fit(cp.asarray(batch[0]), cp.asarray(batch[1]))
+    fused = engine._newton.small_solve
+    engine.close()
+    return not fused
+
+
+def _assert_cusolver_keeps_the_host_loop(config, batches, cholesky):
+    """A solve through cuSOLVER: "on" refuses before committing, "auto" is the host loop."""
+    engine = gpu_engine.GpuEngine(config, device_loop="on", cholesky=cholesky)
+    X, y = batches[0]
+    with pytest.raises(EngineUnavailableError, match="cuSOLVER"):
+        engine.partial_fit(cp.asarray(X), cp.asarray(y))
+    with pytest.raises(NotFittedError):
+        engine.export_state()
+    engine.close()
+    auto = _fit(config, batches, device_loop="auto", cholesky=cholesky)
+    off = _fit(config, batches, device_loop="off", cholesky=cholesky)
+    assert auto[4] is False and "cuSOLVER" in auto[5]
+    assert auto[0] == off[0] and auto[1].equals(off[1]) and auto[2] == off[2]
 
 
 @gpu
@@ -494,7 +539,11 @@ def test_singular_factors_exit_to_the_host_and_give_the_same_bits(dtype, cholesk
     batches = []
     for X, y in _stream(6, [800, 800, 500], dtype, 11):
         batches.append((np.ascontiguousarray(np.column_stack([X, X[:, 2]])), y))
-    on = _assert_bit_identical(HuberConfig(ridge=0.0, dtype=dtype), batches, cholesky=cholesky)
+    config = HuberConfig(ridge=0.0, dtype=dtype)
+    if cholesky == "cusolver":
+        _assert_cusolver_keeps_the_host_loop(config, batches, cholesky)
+        return
+    on = _assert_bit_identical(config, batches, cholesky=cholesky)
     assert on[3] > 0, "the duplicated column never reached the host's fallback"
 
 
@@ -553,7 +602,7 @@ def test_auto_uses_the_device_loop_and_graphs_off_the_host_loop():
 
 @gpu
 @needs_device
-@pytest.mark.parametrize("features, cholesky", [(16, "auto"), (90, "cusolver"), (90, "blocked")])
+@pytest.mark.parametrize("features, cholesky", [(16, "auto"), (90, "kernel"), (90, "blocked")])
 def test_the_loop_body_holds_kernels_and_cublas_has_the_loops_workspace(features, cholesky):
     """What the conditional body may hold, and the cuBLAS workspace that keeps it so."""
     engine = gpu_engine.GpuEngine(HuberConfig(), device_loop="on", cholesky=cholesky)

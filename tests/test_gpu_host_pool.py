@@ -107,6 +107,33 @@ def test_an_engine_collected_without_close_gives_its_leases_back():
     assert pool.stats()["leased_bytes"] < leased
 
 
+@pytest.mark.parametrize("rounds", [3])
+def test_engines_collected_in_reference_cycles_leave_the_pool_usable(rounds):
+    """The collector may finalise a cycle's CuPy events and stream before the engine.
+
+    The pool must then neither wait on a destroyed event (a crash, or
+    ``cudaErrorContextIsDestroyed``) nor have the engine synchronise a
+    destroyed stream: the leases' fences are the pool's RawEvents and a
+    collected engine waits for the device instead.
+    """
+    pool = device_pool(cp, 0)
+    batches = _stream(20, [6000, 6000], "float32", seed=12)
+    reference = GpuEngine(HuberConfig(dtype="float32"), pinned_idle_bytes=IDLE)
+    expected = _run(reference, batches)
+    reference.close()
+    for _ in range(rounds):
+        engine = GpuEngine(HuberConfig(dtype="float32"), pinned_idle_bytes=IDLE)
+        engine.cycle = engine  # only the cyclic collector can free it
+        _run(engine, batches)
+        del engine
+        gc.collect()
+    pool.clear()  # waits on every idle buffer's fence
+    again = GpuEngine(HuberConfig(dtype="float32"), pinned_idle_bytes=IDLE)
+    got = _run(again, batches)
+    again.close()
+    assert got[0].equals(expected[0]) and got[1] == expected[1]
+
+
 def test_results_are_the_same_bits_on_reused_stale_memory_and_on_a_fresh_pool(monkeypatch):
     config = HuberConfig(dtype="float32")
     target = _stream(24, [16000, 16000, 3001], "float32", seed=5, weights=True)
