@@ -247,8 +247,18 @@ def main(argv: list[str] | None = None) -> int:
     if close is not None:
         close()
     configs = [HuberConfig(tau=t, **base) for t in taus]
+    # The GPU grid both ways: engines side by side (the default) and one after the other.
+    sequential = GridEngine(
+        configs, args.engine, args.device, reference_tau=args.reference_tau, concurrent=False
+    )
+    sequential_samples = time_grid(sequential, chunks, args.repeats)
+    sequential_states = sequential.export_states()
+    sequential.close()
     grid = GridEngine(configs, args.engine, args.device, reference_tau=args.reference_tau)
     grid_samples = time_grid(grid, chunks, args.repeats)
+    concurrent_same_bits = all(
+        a.equals(b) for a, b in zip(grid.export_states(), sequential_states, strict=True)
+    )
     identical = None if args.no_check else check_identity(grid, args.engine, args.device, chunks)
     distributed = time_distributed(args, taus, grid) if args.distributed else None
     scored = [r for r in grid.records if r.scored]
@@ -276,15 +286,20 @@ def main(argv: list[str] | None = None) -> int:
             "single_partial_fit": summarize(single_pf),
             "single_stream": summarize(single_stream),
             "grid": summarize(grid_samples),
+            "grid_sequential": summarize(sequential_samples),
         },
         "raw_seconds": {
             "single_partial_fit": single_pf,
             "single_stream": single_stream,
             "grid": grid_samples,
+            "grid_sequential": sequential_samples,
         },
+        "grid_concurrent": grid.concurrent,
+        "grid_concurrent_same_bits_as_sequential": concurrent_same_bits,
         "ratio_grid_to_single": {
             "partial_fit": med_grid / med_pf,
             "stream": med_grid / med_stream,
+            "sequential_over_stream": float(np.median(sequential_samples)) / med_stream,
         },
         "rows_per_second": {
             "single_partial_fit": args.rows / med_pf,
@@ -300,8 +315,10 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"{args.engine}: {args.rows} x {args.features} {args.dtype}, {len(chunks)} chunks; "
         f"single {med_pf:.3f} s (partial_fit) / {med_stream:.3f} s ({stream_path}), "
-        f"grid of {len(taus)} {med_grid:.3f} s: ratio {med_grid / med_pf:.2f} / "
-        f"{med_grid / med_stream:.2f}; identical: {identical}; wrote {path}"
+        f"grid of {len(taus)} {med_grid:.3f} s (concurrent {grid.concurrent}; one after the "
+        f"other {float(np.median(sequential_samples)):.3f} s, same bits {concurrent_same_bits}): "
+        f"ratio {med_grid / med_pf:.2f} / {med_grid / med_stream:.2f}; identical: {identical}; "
+        f"wrote {path}"
     )
     if distributed is not None:
         print(

@@ -96,14 +96,17 @@ class Kernels:
         between the two would fail. Call it outside graph captures; the
         limit is cached, so repeated calls make no CUDA call.
         """
-        limits = self._dynamic_limits
-        limit = limits.get(name)
-        if limit is None:
-            limit = int(self.functions[name].max_dynamic_shared_size_bytes)
-        if limit < nbytes:
-            self.functions[name].max_dynamic_shared_size_bytes = int(nbytes)
-            limit = int(nbytes)
-        limits[name] = limit
+        # Under the module lock: engines of a grid prepare their launches on
+        # threads of their own, and a limit must never be lowered under another.
+        with _LOCK:
+            limits = self._dynamic_limits
+            limit = limits.get(name)
+            if limit is None:
+                limit = int(self.functions[name].max_dynamic_shared_size_bytes)
+            if limit < nbytes:
+                self.functions[name].max_dynamic_shared_size_bytes = int(nbytes)
+                limit = int(nbytes)
+            limits[name] = limit
 
 
 def get_kernels(cp: ModuleType, device_id: int, dtype: np.dtype) -> Kernels:

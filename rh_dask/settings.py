@@ -337,6 +337,9 @@ class Settings:
         ``rh-dask.engine.auto.calibrate``: ``engine="auto"`` times NumPy
         against the GPU on the first batch's shape (off: NumPy unless a CUDA
         device is named or the batch is on one).
+    grid_concurrent : bool
+        ``rh-dask.grid.concurrent``: the GPU engines of a grid of
+        configurations consume each batch side by side, one thread each.
     auto_probe_rows : int
         ``rh-dask.engine.auto.probe-rows``: rows each engine may consume in
         one calibration, warm-ups included (the probe sizes shrink to fit).
@@ -365,6 +368,7 @@ class Settings:
     gpu_device_loop: str = "off"
     gpu_wide_kernels: bool = False
     gpu_pinned_idle_bytes: int = 256 << 20
+    grid_concurrent: bool = True
     checkpoint_every_chunks: int = 16
     checkpoint_every_seconds: float = 60.0
     max_retries: int = 3
@@ -432,6 +436,7 @@ _KEYS: dict[str, tuple[str, Callable[[str, Any], Any]]] = {
     "gpu_device_loop": ("rh-dask.gpu.device-loop", _device_loop),
     "gpu_pinned_idle_bytes": ("rh-dask.gpu.pinned-idle-bytes", _bytes),
     "gpu_wide_kernels": ("rh-dask.gpu.wide-kernels", _flag),
+    "grid_concurrent": ("rh-dask.grid.concurrent", _flag),
     "checkpoint_every_chunks": ("rh-dask.checkpoint.every-chunks", _count),
     "checkpoint_every_seconds": (
         "rh-dask.checkpoint.every-seconds",

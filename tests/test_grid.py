@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import threading
+from typing import ClassVar
+
 import dask
 import dask.array as da
 import dask.dataframe as dd
@@ -190,6 +193,57 @@ def test_a_later_engine_refusing_restores_the_earlier_ones(make_stream, allow):
         else:
             assert engine.export_state().equals(state)
     assert len(grid.records) == allow
+
+
+class _Serialised(NumpyEngine):
+    """A NumPy engine whose fits hold one lock (their BLAS thread setting is process-wide)."""
+
+    lock = threading.Lock()
+    threads: ClassVar[set[int]] = set()
+
+    def partial_fit(self, X, y, sample_weight=None):
+        with self.lock:
+            _Serialised.threads.add(threading.get_ident())
+            return super().partial_fit(X, y, sample_weight)
+
+
+@pytest.mark.parametrize("refusing", [None, 0, 2])
+def test_the_concurrent_path_gives_the_same_bits_and_restores_every_engine(make_stream, refusing):
+    """GPU grids fit their engines side by side; here NumPy stand-ins take that path."""
+    s = make_stream(n=600, d=4, outlier_fraction=0.1, weights="uniform")
+    batches = s.batches([200, 150, 250])
+    configs = _configs((0.5, 1.0, 2.0, 5.0))
+    plain = GridEngine(configs)
+    assert not plain.concurrent  # NumPy engines: one after the other
+    for X, y, w in batches:
+        plain.partial_fit(X, y, w)
+    grid = GridEngine(configs, concurrent=True)
+    engines = [_Serialised(c) for c in configs]
+    if refusing is not None:
+        engines[refusing] = _Refusing(configs[refusing], 2)
+    grid.engines = tuple(engines)
+    grid.concurrent = True
+    _Serialised.threads.clear()
+    grid.partial_fit(*batches[0])
+    grid.partial_fit(*batches[1])
+    assert _Serialised.threads and threading.get_ident() not in _Serialised.threads
+    if refusing is None:
+        grid.partial_fit(*batches[2])
+        assert _states_equal(grid.export_states(), plain.export_states())
+        assert [r.diagnostics for r in grid.records] == [r.diagnostics for r in plain.records]
+    else:
+        before = grid.export_states()
+        with pytest.raises(ValidationError, match="refused by this configuration"):
+            grid.partial_fit(*batches[2])
+        assert _states_equal(grid.export_states(), before)  # every engine put back
+        assert len(grid.records) == 2
+    grid.close()
+    assert grid._threads is None
+
+
+def test_concurrent_must_be_a_bool():
+    with pytest.raises(ValidationError, match="concurrent"):
+        GridEngine(_configs(), concurrent="yes")
 
 
 def test_parameters_are_checked_before_anything_changes(make_stream):

@@ -18,6 +18,13 @@ thus ranks the configurations, on rows none of them has seen yet.
 * For engines that take device arrays (the GPU engine), a host batch is
   copied to the device once and that one device copy goes to every engine;
   the scores are computed on the device.
+* GPU engines consume each batch side by side (``concurrent``, by default
+  ``rh-dask.grid.concurrent``): one thread per configuration, each engine on
+  its own CUDA stream, so that one engine's host synchronisations overlap
+  the others' device work. Each engine still runs exactly its single fit's
+  kernels in its single fit's order, so the bits do not change. NumPy
+  engines always run one after the other (their BLAS calls already use the
+  cores).
 """
 
 from __future__ import annotations
@@ -25,6 +32,8 @@ from __future__ import annotations
 import math
 import numbers
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -173,7 +182,12 @@ class GridEngine:
         The τ of the prequential Huber loss, the same for every configuration
         (it is not the τ a configuration is fitted with).
     settings : Settings, optional
-        Passed to :func:`~rh_dask.engines.make_engine` (GPU engine options).
+        Passed to :func:`~rh_dask.engines.make_engine` (GPU engine options),
+        and ``grid_concurrent``.
+    concurrent : bool, optional
+        Whether engines that take device arrays consume each batch side by
+        side, one thread each (None: ``settings.grid_concurrent``, from
+        ``rh-dask.grid.concurrent``). Ignored for NumPy engines.
 
     Raises
     ------
@@ -194,15 +208,23 @@ class GridEngine:
         *,
         reference_tau: float = DEFAULT_REFERENCE_TAU,
         settings: Settings | None = None,
+        concurrent: bool | None = None,
     ) -> None:
         configs = tuple(configs)
         _check_configs(configs)
         self.reference_tau = check_reference_tau(reference_tau)
+        if concurrent is None:
+            concurrent = True if settings is None else bool(settings.grid_concurrent)
+        elif not isinstance(concurrent, bool):
+            raise ValidationError(f"concurrent must be a bool or None, got {concurrent!r}")
         self.configs = configs
         self.engines: tuple[Engine, ...] = tuple(
             make_engine(engine, c, device, settings=settings) for c in configs
         )
         self._records: list[GridRecord] = []
+        #: Whether the engines consume each batch side by side (GPU engines only).
+        self.concurrent = bool(concurrent and self.accepts_device_arrays and len(configs) > 1)
+        self._threads: ThreadPoolExecutor | None = None
 
     # -- what the grid holds ------------------------------------------------------
     @property
@@ -269,7 +291,7 @@ class GridEngine:
                 engine.import_state(state)
                 done += 1
         except BaseException:
-            self._restore(held, done)
+            self._restore(held, range(done))
             raise
 
     def extend_records(self, records: Sequence[GridRecord]) -> None:
@@ -296,6 +318,9 @@ class GridEngine:
 
     def close(self) -> None:
         """Close the engines that hold resources to release (the GPU engine)."""
+        threads, self._threads = self._threads, None
+        if threads is not None:
+            threads.shutdown(wait=True)
         for engine in self.engines:
             close = getattr(engine, "close", None)
             if close is not None:
@@ -340,14 +365,7 @@ class GridEngine:
             huber, mae = self._score(X, y, w)
         else:
             huber = mae = np.full(self.n_configs, np.nan)
-        held = self._held()
-        diagnostics: list[BatchDiagnostics] = []
-        try:
-            for engine in self.engines:
-                diagnostics.append(engine.partial_fit(X, y, w))
-        except BaseException:
-            self._restore(held, len(diagnostics))
-            raise
+        diagnostics = self._fit_all(X, y, w)
         weight = float(n) if w is None else float(w.sum(dtype=np.float64))
         record = GridRecord(
             batch=self.batch_count - 1,
@@ -362,6 +380,36 @@ class GridEngine:
         return record
 
     # -- internals ----------------------------------------------------------------
+    def _fit_all(self, X: Any, y: Any, w: Any | None) -> list[BatchDiagnostics]:
+        """Every engine consumes the batch; atomic: a refusal puts every engine back."""
+        if not self.concurrent:
+            held = self._held()
+            diagnostics: list[BatchDiagnostics] = []
+            try:
+                for engine in self.engines:
+                    diagnostics.append(engine.partial_fit(X, y, w))
+            except BaseException:
+                self._restore(held, range(len(diagnostics)))
+                raise
+            return diagnostics
+        # Any engine may refuse while the others succeed: each one's state is held.
+        held = self._held(every=True)
+        if self._threads is None:
+            self._threads = ThreadPoolExecutor(
+                len(self.engines), thread_name_prefix="rh-dask-grid-engine"
+            )
+        # The batch was made on this thread's current stream: each engine orders
+        # its reads after that stream's work (GPU engines wait on an event of it).
+        stream = _current_stream(X)
+        futures = [
+            self._threads.submit(_fit_on, engine, stream, X, y, w) for engine in self.engines
+        ]
+        errors = [f.exception() for f in futures]  # waits for every engine
+        if any(e is not None for e in errors):
+            self._restore(held, [i for i, e in enumerate(errors) if e is None])
+            raise next(e for e in errors if e is not None)  # the first configuration's
+        return [f.result() for f in futures]
+
     def _stage(self, X: Any, y: Any, w: Any | None) -> tuple[Any, Any, Any | None]:
         """The batch as every engine gets it: for a device engine, one device copy."""
         if not self.accepts_device_arrays or is_device_array(X):
@@ -392,20 +440,34 @@ class GridEngine:
                 )
         return prequential_scores(np, X, y, w, betas, self.fit_intercept, self.reference_tau)
 
-    def _held(self) -> list[HuberState | None]:
-        """What each engine but the last holds (the last one's own refusal is atomic)."""
-        out: list[HuberState | None] = []
-        for engine in self.engines[:-1]:
-            out.append(None if engine.n_features_in is None else engine.export_state())
-        return out
+    def _held(self, every: bool = False) -> list[HuberState | None]:
+        """What each engine holds; without ``every`` all but the last (whose refusal is atomic)."""
+        engines = self.engines if every else self.engines[:-1]
+        return [None if e.n_features_in is None else e.export_state() for e in engines]
 
-    def _restore(self, held: list[HuberState | None], changed: int) -> None:
-        """Put the first ``changed`` engines back to ``held``."""
-        for engine, state in zip(self.engines[:changed], held, strict=False):
+    def _restore(self, held: list[HuberState | None], changed: Sequence[int]) -> None:
+        """Put the engines at the indices ``changed`` back to ``held``."""
+        for i in changed:
+            engine, state = self.engines[i], held[i]
             if state is None:
                 engine.reset()
             else:
                 engine.import_state(state)
+
+
+def _current_stream(X: Any) -> Any:
+    """The calling thread's current CuPy stream for a device batch (None otherwise)."""
+    if not is_device_array(X):
+        return None
+    import cupy
+
+    return cupy.cuda.get_current_stream()
+
+
+def _fit_on(engine: Engine, stream: Any, X: Any, y: Any, w: Any | None) -> BatchDiagnostics:
+    """``engine.partial_fit`` on a grid thread, with the caller's stream current."""
+    with stream if stream is not None else nullcontext():
+        return engine.partial_fit(X, y, w)
 
 
 def _check_configs(configs: tuple[HuberConfig, ...]) -> None:
