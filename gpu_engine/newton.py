@@ -16,8 +16,9 @@ the step graph's work as the body of a WHILE conditional graph, one launch
 and one synchronisation per batch); both queue the same work in the same
 order and give the same bits. When the device reports the Cholesky factor
 singular, the host finishes the contract's ladder (LU, then the minimum-norm
-SVD solution) and the line search is rerun with that direction; the device
-loop exits to the host for it and is launched again if the solve goes on.
+solution by eigendecomposition) and the line search is rerun with that
+direction; the device loop exits to the host for it and is launched again if
+the solve goes on.
 """
 
 from __future__ import annotations

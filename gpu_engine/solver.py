@@ -8,10 +8,10 @@ own, bound to its stream, in the default (IEEE) math mode: no TF32 whatever
 ``CUPY_TF32`` says. Handles are pooled per device because creating a
 cuSOLVER handle costs milliseconds.
 
-The rest of the contract's solve ladder (LU, then the minimum-norm SVD
-solution) runs only when the Cholesky factor fails the scale-invariant
-singularity test on the device; it is prepared lazily and synchronises
-freely, since it is the rare path.
+The rest of the contract's solve ladder (LU, then the minimum-norm
+least-squares solution from the symmetric eigendecomposition) runs only when
+the Cholesky factor fails the scale-invariant singularity test on the device;
+it is prepared lazily and synchronises freely, since it is the rare path.
 """
 
 from __future__ import annotations
@@ -191,7 +191,7 @@ class DenseSolver:
         self._potrs(self.lapack, lower, p, 1, H.data.ptr, p, D.data.ptr, p, solve_info_ptr)
 
     def fallback_direction(self, Hs: Any, g: Any, p: int, rtol: float) -> Any:
-        """LU, then minimum-norm SVD: the rest of the contract's ladder (synchronises).
+        """LU, then the minimum-norm solution: the rest of the contract's ladder (synchronises).
 
         Parameters
         ----------
@@ -239,11 +239,18 @@ class DenseSolver:
             )
             if bool(cp.all(cp.isfinite(direction)).get()):
                 return direction
-        u, sigma, vt = cp.linalg.svd(Hs)
-        cutoff = rtol * float(sigma[0].get()) if sigma.size else 0.0
-        keep = sigma > cutoff
-        inv = cp.where(keep, 1 / cp.where(keep, sigma, 1), 0).astype(self.dtype)
-        return ((vt.T * inv) @ (u.T @ g)).astype(self.dtype, copy=False)
+        # The minimum-norm solution through the symmetric eigendecomposition
+        # Hs = V Λ Vᵀ: its singular values are |λ|, so Hs⁺ = V Λ⁺ Vᵀ with the
+        # reference's SVD cut-off on |λ|. cuSOLVER's syevd is 10-11x faster than
+        # its gesvd here (H200: p = 1025, float32, 11 against 120 ms; p = 2049,
+        # 25 against 278 ms), and a float32 wide stream's first batch may take
+        # this rung in most of its iterations.
+        lam, vecs = cp.linalg.eigh(Hs)
+        size = cp.abs(lam)
+        cutoff = rtol * float(size.max().get()) if size.size else 0.0
+        keep = size > cutoff
+        inv = cp.where(keep, 1 / cp.where(keep, lam, 1), 0).astype(self.dtype)
+        return (vecs @ (inv * (vecs.T @ g))).astype(self.dtype, copy=False)
 
     def close(self) -> None:
         """Give the handles back to the per-device pool."""
