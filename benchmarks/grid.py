@@ -247,14 +247,18 @@ def main(argv: list[str] | None = None) -> int:
     if close is not None:
         close()
     configs = [HuberConfig(tau=t, **base) for t in taus]
-    # The GPU grid both ways: engines side by side (the default) and one after the other.
+    # The GPU grid both ways: one engine after the other (the default) and side by side
+    # (rh-dask.grid.concurrent); "grid" in the JSON is the side-by-side run where the
+    # engines allow it (GPU), else the same sequential path again.
     sequential = GridEngine(
         configs, args.engine, args.device, reference_tau=args.reference_tau, concurrent=False
     )
     sequential_samples = time_grid(sequential, chunks, args.repeats)
     sequential_states = sequential.export_states()
     sequential.close()
-    grid = GridEngine(configs, args.engine, args.device, reference_tau=args.reference_tau)
+    grid = GridEngine(
+        configs, args.engine, args.device, reference_tau=args.reference_tau, concurrent=True
+    )
     grid_samples = time_grid(grid, chunks, args.repeats)
     concurrent_same_bits = all(
         a.equals(b) for a, b in zip(grid.export_states(), sequential_states, strict=True)

@@ -293,7 +293,7 @@ class Settings:
         (``"off"``, the default: one per iteration).
     gpu_wide_kernels : bool
         ``rh-dask.gpu.wide-kernels``: the GPU engine runs the p-space work of
-        designs with p ≥ 256 as grid kernels (off by default).
+        designs with p ≥ 256 as grid kernels (on by default).
     gpu_pinned_idle_bytes : int
         ``rh-dask.gpu.pinned-idle-bytes``: the most bytes of pinned staging
         memory the process keeps idle per device for the next GPU engine
@@ -339,7 +339,8 @@ class Settings:
         device is named or the batch is on one).
     grid_concurrent : bool
         ``rh-dask.grid.concurrent``: the GPU engines of a grid of
-        configurations consume each batch side by side, one thread each.
+        configurations consume each batch side by side, one thread each
+        (off by default: no gain measured, docs/performance.md).
     auto_probe_rows : int
         ``rh-dask.engine.auto.probe-rows``: rows each engine may consume in
         one calibration, warm-ups included (the probe sizes shrink to fit).
@@ -366,9 +367,9 @@ class Settings:
     gpu_score_variance: bool = True
     gpu_diagnostics: bool = False
     gpu_device_loop: str = "off"
-    gpu_wide_kernels: bool = False
+    gpu_wide_kernels: bool = True
     gpu_pinned_idle_bytes: int = 256 << 20
-    grid_concurrent: bool = True
+    grid_concurrent: bool = False
     checkpoint_every_chunks: int = 16
     checkpoint_every_seconds: float = 60.0
     max_retries: int = 3

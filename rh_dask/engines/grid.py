@@ -18,8 +18,8 @@ thus ranks the configurations, on rows none of them has seen yet.
 * For engines that take device arrays (the GPU engine), a host batch is
   copied to the device once and that one device copy goes to every engine;
   the scores are computed on the device.
-* GPU engines consume each batch side by side (``concurrent``, by default
-  ``rh-dask.grid.concurrent``): one thread per configuration, each engine on
+* GPU engines may consume each batch side by side (``concurrent``, by default
+  ``rh-dask.grid.concurrent``, off): one thread per configuration, each engine on
   its own CUDA stream, so that one engine's host synchronisations overlap
   the others' device work. Each engine still runs exactly its single fit's
   kernels in its single fit's order, so the bits do not change. NumPy
@@ -214,7 +214,7 @@ class GridEngine:
         _check_configs(configs)
         self.reference_tau = check_reference_tau(reference_tau)
         if concurrent is None:
-            concurrent = True if settings is None else bool(settings.grid_concurrent)
+            concurrent = False if settings is None else bool(settings.grid_concurrent)
         elif not isinstance(concurrent, bool):
             raise ValidationError(f"concurrent must be a bool or None, got {concurrent!r}")
         self.configs = configs
