@@ -343,6 +343,7 @@ class RenewableHuberRegressor(RegressorMixin, BaseEstimator):
             return self._fit_collection(X, y, sample_weight, fresh=True)
         config = self._make_config()
         name = resolve_engine_name(self.engine, self.device)
+        scan = self.engine == "numpy"
         batch = validate_batch(
             X,
             y,
@@ -352,9 +353,10 @@ class RenewableHuberRegressor(RegressorMixin, BaseEstimator):
             owner=type(self).__name__,
             # The GPU engine refuses non-finite values on the device, in its
             # first pass over the batch: the host scan would be a second read.
-            check_finite=self.engine != "gpu",
+            # engine="auto" scans once its choice is not the GPU (Stream.consume).
+            check_finite=scan,
         )
-        self._consume(self._first_stream(config, name, batch), batch)
+        self._consume(self._first_stream(config, name, batch), batch, scan)
         return self
 
     def partial_fit(
@@ -373,8 +375,8 @@ class RenewableHuberRegressor(RegressorMixin, BaseEstimator):
         name = resolve_engine_name(self.engine, self.device)
         if stream is None:
             accept_device = name == "gpu" or self._auto_on_device(X)
-            # engine="auto" may still choose NumPy, which needs the host scan.
-            on_gpu = self.engine == "gpu"
+            # engine="auto" scans once its choice is not the GPU (Stream.consume).
+            on_gpu = self.engine != "numpy"
         else:
             accept_device = on_gpu = stream.engine_name == "gpu"
         batch = validate_batch(
@@ -391,7 +393,11 @@ class RenewableHuberRegressor(RegressorMixin, BaseEstimator):
             # first pass over the batch: the host scan would be a second read.
             check_finite=not on_gpu,
         )
-        self._consume(self._first_stream(config, name, batch) if stream is None else stream, batch)
+        self._consume(
+            self._first_stream(config, name, batch) if stream is None else stream,
+            batch,
+            not on_gpu,
+        )
         return self
 
     def _auto_on_device(self, X: Any) -> bool:
@@ -422,14 +428,19 @@ class RenewableHuberRegressor(RegressorMixin, BaseEstimator):
         stream.auto_choice = choice
         return stream
 
-    def _consume(self, stream: Stream, batch: Batch) -> None:
-        """One validated batch into ``stream``, which becomes the model's once it has it."""
+    def _consume(self, stream: Stream, batch: Batch, finite_checked: bool) -> None:
+        """One validated batch into ``stream``, which becomes the model's once it has it.
+
+        ``finite_checked=False``: the batch was validated without its NaN
+        scan, which the stream runs unless its engine is the GPU engine.
+        """
         stream.consume(
             batch.X,
             batch.y,
             batch.sample_weight,
             device=self.device,
             feature_names=batch.feature_names,
+            finite_checked=finite_checked,
         )
         self._stream = stream
 

@@ -28,6 +28,7 @@ from .config import HuberConfig
 from .engines import Engine, make_engine, resolve_engine_name
 from .exceptions import ValidationError
 from .state import OPTIONAL_DIAGNOSTICS, BatchDiagnostics, HuberState
+from .validation import check_finite_batch
 
 __all__ = [
     "HISTORY_COLUMNS",
@@ -395,6 +396,7 @@ class Stream:
         chunk: int = 0,
         wait_seconds: float = 0.0,
         limit: Callable[[], AbstractContextManager[Any]] = nullcontext,
+        finite_checked: bool = True,
     ) -> BatchRecord:
         """Advance the stream by one validated batch, or change nothing at all.
 
@@ -402,11 +404,16 @@ class Stream:
         ``feature_names``. When creating the engine or the batch fails, the
         stream (and the engine it may have taken) is as it was. ``limit`` is a
         context factory entered around the engine call (a BLAS thread limit).
-        Returns the batch's record.
+        ``finite_checked=False``: X and y were validated without their NaN
+        and infinity scan, which runs here unless the engine is the GPU
+        engine (it refuses such values on the device). Returns the batch's
+        record.
         """
         engine, undo = self._engine_for_batch(device)
         start = time.perf_counter()
         try:
+            if not finite_checked and engine.name != "gpu":
+                check_finite_batch(X, y)
             with limit():
                 diagnostics = engine.partial_fit(X, y, sample_weight)
         except BaseException:

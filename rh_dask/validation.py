@@ -247,6 +247,27 @@ def _as_host_array(
     return arr
 
 
+def check_finite_batch(X: Any, y: Any) -> None:
+    """The NaN and infinity scan of X and y that ``validate_batch(check_finite=False)`` skipped.
+
+    For a batch validated before its engine was known (``engine="auto"``):
+    the stream runs it once the engine turns out not to refuse such values
+    itself. Device arrays are left to their engine.
+
+    Raises
+    ------
+    ValidationError
+        Naming the array, with the message ``validate_batch`` would give.
+    """
+    for name, value in (("X", X), ("y", y)):
+        if is_device_array(value):
+            continue
+        try:
+            assert_all_finite(value, input_name=name)
+        except ValueError as exc:
+            raise ValidationError(f"{name}: {exc}") from exc
+
+
 def validate_weights(sample_weight: Any, n: int, dtype: np.dtype) -> np.ndarray | None:
     """Finite, non-negative frequency weights with a positive sum (None = all ones)."""
     if sample_weight is None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import warnings
 
 import numpy as np
 import pytest
@@ -536,3 +537,92 @@ def test_a_measured_gpu_choice_that_fails_to_start_falls_back_to_numpy(fresh_cac
         with pytest.raises(EngineUnavailableError, match="scripted"):
             other.partial_fit(*batches[0])
         assert not hasattr(other, "coef_")
+
+
+def _scripted_gpu_choice(cal, monkeypatch):
+    """A calibration that chooses the GPU engine, served by a NumPy stand-in named "gpu".
+
+    The stand-in refuses non-finite values itself, as the GPU engine does on
+    the device; it records the batches it was handed.
+    """
+    import rh_dask.engines
+    import rh_dask.stream
+    from rh_dask import NumpyEngine
+
+    host = Host(linear(1e-5, 1e-9), linear(0.0, 1e-11))
+    monkeypatch.setattr(cal, "_factory", host.factory)
+    seen = []
+
+    class _StandInGpu(NumpyEngine):
+        name = "gpu"
+
+        def partial_fit(self, X, y, sample_weight=None):
+            seen.append(bool(np.isfinite(X).all() and np.isfinite(y).all()))
+            if not seen[-1]:
+                raise ValidationError("non-finite values (refused by the stand-in GPU engine)")
+            return super().partial_fit(X, y, sample_weight)
+
+    real = rh_dask.engines.make_engine
+
+    def make(name, config, device=None, **kwargs):
+        return _StandInGpu(config) if name == "gpu" else real(name, config, device, **kwargs)
+
+    monkeypatch.setattr(rh_dask.stream, "make_engine", make)
+    return seen
+
+
+@pytest.mark.parametrize("where", ["X", "y"])
+@pytest.mark.parametrize("method", ["fit", "partial_fit"])
+def test_auto_choosing_the_gpu_leaves_the_nan_scan_to_the_engine(
+    fresh_cache, monkeypatch, method, where
+):
+    from rh_dask import RenewableHuberRegressor
+
+    seen = _scripted_gpu_choice(fresh_cache, monkeypatch)
+    (X, y), (X2, y2) = _batches()[:2]
+    X, y = X.copy(), y.copy()
+    (X if where == "X" else y)[3] = np.nan
+    model = RenewableHuberRegressor()
+    with pytest.raises(ValidationError, match="stand-in"):
+        getattr(model, method)(X, y)
+    assert seen == [False]  # no host scan: the engine saw the batch and refused it
+    assert not hasattr(model, "coef_")
+    model.partial_fit(X2, y2)
+    assert model.engine_ == "gpu" and seen == [False, True]
+
+
+@pytest.mark.parametrize("case", ["numpy measured faster", "gpu chosen, fell back"])
+@pytest.mark.parametrize("method", ["fit", "partial_fit"])
+def test_auto_on_numpy_still_refuses_nan_before_the_engine(fresh_cache, monkeypatch, method, case):
+    from rh_dask import RenewableHuberRegressor
+
+    if case == "numpy measured faster":
+        host = Host(linear(0.0, 1e-11), linear(1e-5, 1e-9))
+        monkeypatch.setattr(fresh_cache, "_factory", host.factory)
+    else:
+        host = Host(linear(1e-5, 1e-9), linear(0.0, 1e-11))
+        monkeypatch.setattr(fresh_cache, "_factory", host.factory)
+        no_gpu_engine(monkeypatch)
+    (X, y), _ = _batches()[:2]
+    X = X.copy()
+    X[0, 1] = np.inf
+    model = RenewableHuberRegressor()
+    with pytest.raises(ValidationError, match="X: Input X contains infinity"):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)  # the fallback's warning
+            getattr(model, method)(X, y)
+    assert not hasattr(model, "coef_")
+    X[0, 1] = 0.0
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        model.partial_fit(X, y)
+    assert model.engine_ == "numpy"
+
+
+def test_check_finite_batch_names_the_array_and_skips_device_arrays():
+    from rh_dask.validation import check_finite_batch
+
+    X, y = np.ones((3, 2)), np.ones(3)
+    check_finite_batch(X, y)
+    with pytest.raises(ValidationError, match=r"^y: Input y contains NaN"):
+        check_finite_batch(X, np.array([1.0, np.nan, 2.0]))
