@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# The device runs that GPU code written without a GPU still needs (docs/gpu-engine.md,
-# "Not yet run on a GPU"). Run from the repository root on the H200 with Dask's wheels
+# The device runs that measure the GPU-side options (docs/gpu-engine.md, "Measured on
+# the H200"); rerun them after changing the kernels. Run from the repository root on the H200 with Dask's wheels
 # installed and PYTHONPATH set (docs/development.md, device runs); results go to $OUT.
 #
 #   bash benchmarks/device_pending.sh tests   # every GPU test, new ones included   (~4 min)
@@ -11,8 +11,8 @@
 #   bash benchmarks/device_pending.sh numpy   # NumPy engine's BLAS threads on 16 cores vs the peer
 #
 # Each part stays under one device call's 10 minutes. What to look for is in each
-# part's comment; a part that passes is the evidence for turning its option on by default
-# (rh-dask.gpu.device-loop: auto, rh-dask.gpu.wide-kernels: true).
+# part's comment; a part that passes is the evidence for an option's default
+# (rh-dask.gpu.device-loop stays off: slower; rh-dask.gpu.wide-kernels is on).
 set -uo pipefail
 out=${OUT:-/tmp/rh-dask-device}
 mkdir -p "$out"

@@ -340,7 +340,7 @@ class Settings:
     grid_concurrent : bool
         ``rh-dask.grid.concurrent``: the GPU engines of a grid of
         configurations consume each batch side by side, one thread each
-        (off by default: no gain measured, docs/performance.md).
+        (off by default: no gain measured on an H200, docs/performance.md).
     auto_probe_rows : int
         ``rh-dask.engine.auto.probe-rows``: rows each engine may consume in
         one calibration, warm-ups included (the probe sizes shrink to fit).
