@@ -420,9 +420,10 @@ def sweep(args: argparse.Namespace) -> dict[str, Any]:
                         to_device,
                     )
                     record("rh_gpu_host", "cold", rh_estimator_cold, *common, gpu_runner, "gpu")
-                    # engine="auto" right beside the engines it chooses between: after
-                    # the NumPy runs, their BLAS threads still spinning slowed its GPU
-                    # stream's copy threads (reference float64: 25 against 14 ms, H200).
+                    # engine="auto" right beside the engines it chooses between: timed
+                    # after the NumPy runs, whose BLAS threads were still spinning, its
+                    # GPU stream was slower (reference float64 on the H200: 25.3 ms
+                    # there, 20.0 here, one run each).
                     record("rh_auto", "cold", rh_auto_cold, *common, cpu_runner)
                 record("rh_numpy", "steady", rh_numpy_steady, *common, cpu_runner)
                 if args.cold and not args.quick:

@@ -376,9 +376,10 @@ class RenewableHuberRegressor(RegressorMixin, BaseEstimator):
         if stream is None:
             accept_device = name == "gpu" or self._auto_on_device(X)
             # engine="auto" scans once its choice is not the GPU (Stream.consume).
-            on_gpu = self.engine != "numpy"
+            scan = self.engine == "numpy"
         else:
-            accept_device = on_gpu = stream.engine_name == "gpu"
+            accept_device = stream.engine_name == "gpu"
+            scan = not accept_device
         batch = validate_batch(
             X,
             y,
@@ -391,12 +392,10 @@ class RenewableHuberRegressor(RegressorMixin, BaseEstimator):
             owner=type(self).__name__,
             # The GPU engine refuses non-finite values on the device, in its
             # first pass over the batch: the host scan would be a second read.
-            check_finite=not on_gpu,
+            check_finite=scan,
         )
         self._consume(
-            self._first_stream(config, name, batch) if stream is None else stream,
-            batch,
-            not on_gpu,
+            self._first_stream(config, name, batch) if stream is None else stream, batch, scan
         )
         return self
 

@@ -204,10 +204,7 @@ def _as_host_array(
         # check_array, hand on a plain ndarray view of them).
         value = np.asarray(value)
         if finite:
-            try:
-                assert_all_finite(value, input_name=name)
-            except ValueError as exc:
-                raise ValidationError(f"{name}: {exc}") from exc
+            _assert_finite(value, name)
         return value
     try:
         arr = check_array(
@@ -260,12 +257,16 @@ def check_finite_batch(X: Any, y: Any) -> None:
         Naming the array, with the message ``validate_batch`` would give.
     """
     for name, value in (("X", X), ("y", y)):
-        if is_device_array(value):
-            continue
-        try:
-            assert_all_finite(value, input_name=name)
-        except ValueError as exc:
-            raise ValidationError(f"{name}: {exc}") from exc
+        if not is_device_array(value):
+            _assert_finite(value, name)
+
+
+def _assert_finite(value: np.ndarray, name: str) -> None:
+    """scikit-learn's NaN and infinity scan, its error as a ``ValidationError`` naming ``name``."""
+    try:
+        assert_all_finite(value, input_name=name)
+    except ValueError as exc:
+        raise ValidationError(f"{name}: {exc}") from exc
 
 
 def validate_weights(sample_weight: Any, n: int, dtype: np.dtype) -> np.ndarray | None:

@@ -222,7 +222,7 @@ def _permuted_reference(config, batches, seed=0):
         yield state.coefficients[order], state.information[np.ix_(order, order)]
 
 
-def _assert_within_the_references_spread(config, batches, device_input=False, **options):
+def _assert_within_the_references_spread(config, batches, **options):
     """The GPU engine against the reference where the contract's bound is out of reach.
 
     With a duplicated column and no ridge the Newton systems are singular and
@@ -238,10 +238,7 @@ def _assert_within_the_references_spread(config, batches, device_input=False, **
     permuted = _permuted_reference(config, batches)
     for i, ((X, y), (p_coef, p_info)) in enumerate(zip(batches, permuted, strict=True)):
         ref.partial_fit(X, y)
-        if device_input:
-            gpu.partial_fit(cp.asarray(X), cp.asarray(y))
-        else:
-            gpu.partial_fit(X, y)
+        gpu.partial_fit(X, y)
         s_gpu, s_ref = gpu.export_state(), ref.export_state()
         assert s_gpu.counters() == s_ref.counters(), i
         rtol, atol = TOL[config.dtype]
