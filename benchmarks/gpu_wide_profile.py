@@ -8,7 +8,7 @@ and a stream of 4 batches of max(4d, 8192) rows (CuPy input), this times:
   each between two CUDA events on the engine's stream; the control block's
   flags are reset before each repeat so that every gated kernel does its
   work. ``commit_ops`` the same for the commit (the solve marked done).
-* ``score_variance``: the CuPy K update of a committed batch.
+* ``score_variance``: the K update of a committed batch.
 * ``gemm``: the Gram + gradient GEMM alone (2·n·p·(p+1) FLOP) and
   ``potrf``/``potrs`` alone (p³/3 and 2p² FLOP), with FLOP/s against the
   device's measured dense peak (a square ``cupy.matmul`` in the same dtype)
@@ -252,15 +252,14 @@ def profile_dense(cp: Any, engine: Any, n: int, repeats: int) -> dict[str, Any]:
 
 
 def profile_score_variance(cp: Any, engine: Any, n: int, repeats: int) -> dict[str, Any]:
-    """The commit's CuPy K update (residuals at β, then K += SᵀS)."""
-    from gpu_engine.diagnostics import add_score_gram, residuals
+    """The commit's K update (residuals at β, then K += SᵀS)."""
+    from gpu_engine.diagnostics import add_score_gram
 
     parts = engine._newton._parts
     ws, stream = parts.ws, parts.stream
 
     def body():
-        Z, r = residuals(ws, n, ws.p)
-        add_score_gram(ws, Z, r, n, engine.config.tau)
+        add_score_gram(parts.launcher, parts.dense, parts.kernels, ws, n)
 
     with stream:
         samples = time_device(cp, stream, body, repeats)

@@ -13,7 +13,10 @@ batch the device committed.
 from __future__ import annotations
 
 import warnings
-from typing import Any
+from collections.abc import Callable, Generator
+from typing import Any, TypeVar
+
+import numpy as np
 
 from rh_dask.core import BatchSchedule, batch_schedule, singular_rtol
 from rh_dask.exceptions import ValidationError
@@ -28,6 +31,21 @@ from .newton import NewtonDriver
 from .parts import DeviceParts
 from .state import Counters
 from .transfer import StagedBatch
+
+R = TypeVar("R")
+
+#: ``rh_build`` launches kept packed per engine (a launch holds the input addresses).
+BUILD_LAUNCHES = 4
+
+
+def run_to_end(steps: Generator[Any, None, R], synchronize: Callable[[], None]) -> R:
+    """Drive ``steps`` to its end, calling ``synchronize`` at each of its yields; its value."""
+    while True:
+        try:
+            next(steps)
+        except StopIteration as stop:
+            return stop.value
+        synchronize()
 
 
 class BatchRunner:
@@ -59,8 +77,12 @@ class BatchRunner:
         self._newton = newton
         self._lamm = lamm
         self._diagnostics = diagnostics
+        #: Packed ``rh_build`` launches by input addresses, oldest first.
+        self._builds: dict[tuple[int, ...], Launch] = {}
+        #: Control-block header templates by (p, whether the schedule is known).
+        self._headers: dict[tuple[int, bool], np.ndarray] = {}
 
-    def run(
+    def steps(
         self,
         X: Any,
         y: Any,
@@ -68,13 +90,19 @@ class BatchRunner:
         staged: StagedBatch | None,
         counters: Counters | None,
         accumulate_k: bool,
-    ) -> tuple[BatchDiagnostics, Counters]:
-        """Fit one batch of device arrays; the diagnostics and the counters after it.
+    ) -> Generator[None, None, tuple[BatchDiagnostics, Counters]]:
+        """Fit one batch of device arrays, yielding wherever the host must wait.
 
-        ``counters`` are those before the batch (``None``: an empty stream,
-        whose β, J and K are zeroed first). ``accumulate_k``: add the batch's
-        score Gram to K once the batch is committed. Nothing is committed
-        when this raises.
+        Each ``yield`` follows work whose status the next step reads: the
+        caller synchronises the engine's stream before resuming (with
+        :func:`run_to_end`, or together with other engines), and makes that
+        stream CuPy's current one for every resume (the generator never
+        holds a stream context across a yield, so several engines' steps can
+        be interleaved on one thread). ``counters`` are those before the
+        batch (``None``: an empty stream, whose β, J and K are zeroed first).
+        ``accumulate_k``: add the batch's score Gram to K once the batch is
+        committed. Returns the batch's diagnostics and the counters after
+        it; nothing is committed when it raises.
 
         Raises
         ------
@@ -88,23 +116,94 @@ class BatchRunner:
         p = d + int(cfg.fit_intercept)
         before = counters or Counters(n_features_in=d, fit_intercept=cfg.fit_intercept)
         stream = self._parts.stream
-        with stream:
-            calls = self._parts.calls
-            if staged is not None:
-                calls.stream_wait(stream.ptr, staged.slot.ready.ptr)
-            fresh = ws.ensure_params(p)
-            if counters is None and not fresh:
-                ws.beta.fill(0)
-                ws.J.fill(0)
-                ws.K.fill(0)
-            ws.ensure_rows(n)
-            self._parts.dense.prepare(p, ws.H)
-            schedule = None if w is not None else batch_schedule(cfg, before, float(n))
+        calls = self._parts.calls
+        if staged is not None:
+            calls.stream_wait(stream.ptr, staged.slot.ready.ptr)
+        fresh = ws.ensure_params(p)
+        if counters is None and not fresh:
+            ws.beta.fill(0)
+            ws.J.fill(0)
+            ws.K.fill(0)
+        ws.ensure_rows(n)
+        self._parts.dense.prepare(p, ws.H)
+        schedule = None if w is not None else batch_schedule(cfg, before, float(n))
+        self._write_header(schedule, p)
+        calls.copy_to_device(ws.ctl_ptr, ws.header.ptr, layout.CTL_BYTES, stream.ptr)
+        self._build(X, y, w, n, d, p)(stream.ptr)
+        if staged is not None:
+            staged.slot.consumed.record(stream)
+        if schedule is None:
+            # Σw decides N, h and λ: read it (and the validation flags) first.
+            yield
+            raise_if_invalid(ws.status_i)
+            total_w = float(ws.status_d[layout.S_WSUM])
+            if not total_w > 0:
+                raise ValidationError("sample_weight must have a positive sum")
+            schedule = batch_schedule(cfg, before, total_w)
             self._write_header(schedule, p)
-            calls.copy_to_device(ws.ctl_ptr, ws.header.ptr, layout.CTL_BYTES, stream.ptr)
-            # Packed for this batch only: X's address changes from batch to batch.
-            Launch(
-                calls,
+            calls.copy_to_device(ws.ctl_ptr, ws.header.ptr, layout.N_PARAM * 8, stream.ptr)
+        self._parts.launcher.follow(ws.generation)
+        if cfg.penalised:
+            yield from self._lamm.steps(n)
+        else:
+            yield from self._newton.steps(n, p)
+        # The solvers raise at their first synchronisation already; this test
+        # keeps the counters of a refused batch untouched whatever path the
+        # solve took (the kernels never commit a flagged batch either).
+        raise_if_invalid(ws.status_i)
+        if not ws.status_i[layout.I_COMMITTED]:  # pragma: no cover - a kernel bug
+            raise RuntimeError("the GPU engine stopped without committing the batch")
+        robust: tuple[float | None, ...] = (None, None, None)
+        if accumulate_k:
+            parts = self._parts
+            add_score_gram(parts.launcher, parts.dense, parts.kernels, ws, n)
+        if self._diagnostics:
+            _, r = residuals(ws, n, p, self._parts.dense)
+            weights = None if w is None else ws.w[:n]
+            # The batch's own weight (the schedule's total is the stream's).
+            batch_weight = float(n) if w is None else float(ws.status_d[layout.S_WSUM])
+            robust = self._robust(r, weights, cfg.tau, batch_weight)
+        diagnostics = BatchDiagnostics(
+            iterations=int(ws.status_i[layout.I_ITER]),
+            converged=bool(ws.status_i[layout.I_CONV]),
+            objective=float(ws.status_d[layout.S_OBJ]),
+            lambda_value=float(schedule.lambda_value),
+            bandwidth=float(schedule.bandwidth),
+            mean_loss=robust[0],
+            outlier_share=robust[1],
+            residual_scale=robust[2],
+        )
+        after = Counters(
+            n_features_in=d,
+            fit_intercept=cfg.fit_intercept,
+            n_samples_seen=before.n_samples_seen + n,
+            batch_count=before.batch_count + 1,
+            previous_lambda=schedule.lambda_value,
+            weight_sum=schedule.total_weight,
+        )
+        return diagnostics, after
+
+    def _build(self, X: Any, y: Any, w: Any | None, n: int, d: int, p: int) -> Launch:
+        """The ``rh_build`` launch of these inputs, packed once for their addresses.
+
+        A batch's inputs move from batch to batch, but staged host batches
+        alternate between two slots (and a grid's engines share one copy),
+        so the last few launches are kept (:data:`BUILD_LAUNCHES`).
+        """
+        ws = self._parts.ws
+        key = (
+            int(X.data.ptr),
+            int(y.data.ptr),
+            0 if w is None else int(w.data.ptr),
+            n,
+            d,
+            p,
+            ws.generation,
+        )
+        launch = self._builds.get(key)
+        if launch is None:
+            launch = Launch(
+                self._parts.calls,
                 self._parts.kernels.rh_build,
                 self._parts.launcher.grid(n),
                 layout.ROW_THREADS,
@@ -126,60 +225,11 @@ class BatchRunner:
                     ws.beta,
                     ws.beta_work,
                 ),
-            )(stream.ptr)
-            if staged is not None:
-                staged.slot.consumed.record(stream)
-            if schedule is None:
-                # Σw decides N, h and λ: read it (and the validation flags) first.
-                calls.synchronize(stream)
-                raise_if_invalid(ws.status_i)
-                total_w = float(ws.status_d[layout.S_WSUM])
-                if not total_w > 0:
-                    raise ValidationError("sample_weight must have a positive sum")
-                schedule = batch_schedule(cfg, before, total_w)
-                self._write_header(schedule, p)
-                calls.copy_to_device(ws.ctl_ptr, ws.header.ptr, layout.N_PARAM * 8, stream.ptr)
-            self._parts.launcher.follow(ws.generation)
-            if cfg.penalised:
-                self._lamm.solve(n)
-            else:
-                self._newton.solve(n, p)
-        # The solvers raise at their first synchronisation already; this test
-        # keeps the counters of a refused batch untouched whatever path the
-        # solve took (the kernels never commit a flagged batch either).
-        raise_if_invalid(ws.status_i)
-        if not ws.status_i[layout.I_COMMITTED]:  # pragma: no cover - a kernel bug
-            raise RuntimeError("the GPU engine stopped without committing the batch")
-        robust: tuple[float | None, ...] = (None, None, None)
-        if accumulate_k or self._diagnostics:
-            with stream:
-                Z, r = residuals(ws, n, p)
-                if accumulate_k:
-                    add_score_gram(ws, Z, r, n, cfg.tau)
-                if self._diagnostics:
-                    weights = None if w is None else ws.w[:n]
-                    # The batch's own weight (the schedule's total is the stream's).
-                    batch_weight = float(n) if w is None else float(ws.status_d[layout.S_WSUM])
-                    robust = self._robust(r, weights, cfg.tau, batch_weight)
-        diagnostics = BatchDiagnostics(
-            iterations=int(ws.status_i[layout.I_ITER]),
-            converged=bool(ws.status_i[layout.I_CONV]),
-            objective=float(ws.status_d[layout.S_OBJ]),
-            lambda_value=float(schedule.lambda_value),
-            bandwidth=float(schedule.bandwidth),
-            mean_loss=robust[0],
-            outlier_share=robust[1],
-            residual_scale=robust[2],
-        )
-        after = Counters(
-            n_features_in=d,
-            fit_intercept=cfg.fit_intercept,
-            n_samples_seen=before.n_samples_seen + n,
-            batch_count=before.batch_count + 1,
-            previous_lambda=schedule.lambda_value,
-            weight_sum=schedule.total_weight,
-        )
-        return diagnostics, after
+            )
+            if len(self._builds) >= BUILD_LAUNCHES:
+                del self._builds[next(iter(self._builds))]
+            self._builds[key] = launch
+        return launch
 
     def _robust(
         self, r: Any, w: Any | None, tau: float, batch_weight: float
@@ -204,25 +254,41 @@ class BatchRunner:
             return (None, None, None)
 
     def _write_header(self, schedule: BatchSchedule | None, p: int) -> None:
-        """Fill the pinned control-block image for this batch (``None``: Σw not known yet)."""
-        cfg, ws = self._parts.config, self._parts.ws
-        dt = self._parts.config.np_dtype.type
-        hd, hi = ws.header_d, ws.header_i
-        hd[:] = 0.0
-        hi[:] = 0
+        """Fill the pinned control-block image for this batch (``None``: Σw not known yet).
+
+        The fields that depend on the configuration and p alone come from a
+        template made once per p; the schedule's are written per batch.
+        """
+        ws = self._parts.ws
+        hd = ws.header_d
+        hd[:] = self._header_template(p, with_schedule=schedule is not None)
+        ws.header_i[:] = 0
         if schedule is not None:
-            hd[layout.P_TAU] = dt(cfg.tau)
+            dt = self._parts.config.np_dtype.type
             hd[layout.P_HALF_INV_H] = dt(0.5 / schedule.bandwidth)
             hd[layout.P_INV_TOTAL] = dt(1.0 / schedule.total_weight)
             hd[layout.P_TOTAL] = schedule.total_weight
-            hd[layout.P_RIDGE] = dt(cfg.ridge)
             hd[layout.P_HIST] = dt(schedule.history_scale)
             hd[layout.P_HAS_HIST] = 1.0 if schedule.history_scale else 0.0
             hd[layout.P_LAM] = dt(schedule.lambda_value)
             hd[layout.P_LAMBDA_VALUE] = schedule.lambda_value
-        hd[layout.P_TOL] = cfg.tol
-        hd[layout.P_RTOL] = singular_rtol(self._parts.config.np_dtype, p)
-        hd[layout.P_MAX_ITER] = float(cfg.max_iter)
-        hd[layout.P_FIT_INTERCEPT] = 1.0 if cfg.fit_intercept else 0.0
-        hd[layout.P_PENALISED] = 1.0 if cfg.penalised else 0.0
-        hd[layout.S_PHI] = 1.0
+
+    def _header_template(self, p: int, with_schedule: bool) -> np.ndarray:
+        """The header's doubles that depend on the configuration and p only."""
+        key = (p, with_schedule)
+        template = self._headers.get(key)
+        if template is None:
+            cfg = self._parts.config
+            dt = cfg.np_dtype.type
+            template = np.zeros_like(self._parts.ws.header_d)
+            if with_schedule:
+                template[layout.P_TAU] = dt(cfg.tau)
+                template[layout.P_RIDGE] = dt(cfg.ridge)
+            template[layout.P_TOL] = cfg.tol
+            template[layout.P_RTOL] = singular_rtol(cfg.np_dtype, p)
+            template[layout.P_MAX_ITER] = float(cfg.max_iter)
+            template[layout.P_FIT_INTERCEPT] = 1.0 if cfg.fit_intercept else 0.0
+            template[layout.P_PENALISED] = 1.0 if cfg.penalised else 0.0
+            template[layout.S_PHI] = 1.0
+            self._headers[key] = template
+        return template

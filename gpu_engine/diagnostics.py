@@ -1,9 +1,10 @@
 """What the GPU engine computes at a committed batch besides J: K and the robust diagnostics.
 
 Both need the batch's residuals at the committed β, which the solvers keep
-only for their own steps, so :func:`residuals` recomputes them from the
-workspace (one GEMV). Everything runs on the engine's stream in CuPy; the
-diagnostics end with one small device-to-host copy.
+only for their own steps. K's update recomputes them inside its row kernel
+(:func:`add_score_gram`); the diagnostics take them from :func:`residuals`
+(one GEMV) and run in CuPy on the engine's stream, ending with one small
+device-to-host copy.
 
 The robust diagnostics are those of :mod:`rh_dask.residuals` and the NumPy
 engine, with the same conventions: the weighted share of rows with
@@ -22,21 +23,44 @@ from typing import Any
 
 from rh_dask.residuals import MAD_CONSISTENCY
 
+from . import layout
+from .commit import allow_row_shared
+
 __all__ = ["add_score_gram", "residuals", "robust_diagnostics"]
 
 
-def residuals(ws: Any, n: int, p: int) -> tuple[Any, Any]:
-    """The design's view (n × p) and r = y − Zβ at the committed β."""
+def residuals(ws: Any, n: int, p: int, dense: Any) -> tuple[Any, Any]:
+    """The design's view (n × p) and r = y − Zβ at the committed β.
+
+    Zβ goes through ``ws.r`` (free once the batch is committed) by the
+    engine's own cuBLAS handle (``dense``, a :class:`~.solver.DenseSolver`).
+    """
     Z = ws.Z[: n * ws.ldz].reshape(n, ws.ldz)[:, :p]
-    return Z, ws.y[:n] - Z @ ws.beta
+    dense.matvec(ws.Z, ws.ldz, ws.beta, ws.r, n, p)
+    return Z, ws.y[:n] - ws.r[:n]
 
 
-def add_score_gram(ws: Any, Z: Any, r: Any, n: int, tau: float) -> None:
-    """K += Zᵀ diag(w ⊙ ψ(r)²) Z, as one GEMM of (√w ⊙ |ψ|) ⊙ Z with itself."""
-    s = abs(r.clip(-tau, tau))
-    s *= ws.w[:n] ** 0.5
-    scaled = Z * s[:, None]
-    ws.K += scaled.T @ scaled
+def add_score_gram(launcher: Any, dense: Any, kernels: Any, ws: Any, n: int) -> None:
+    """K += SᵀS with S = |ψ(r)| √w ⊙ Z at the committed β (the sandwich's meat).
+
+    ``rh_score_gram_rows`` writes S into ``ws.M`` (free once the batch is
+    committed), then one GEMM on the engine's own cuBLAS handle adds SᵀS
+    to K in place; both replayed as one captured graph per row count.
+    """
+    allow_row_shared(kernels, ws, ("rh_score_gram_rows",))
+
+    def body() -> None:
+        launcher.launch(
+            ("score_gram_rows", n),
+            "rh_score_gram_rows",
+            launcher.grid(n),
+            layout.ROW_THREADS,
+            (ws.Z, ws.ldz, n, ws.p, ws.y, ws.w, ws.beta, ws.ctl, ws.M, ws.ldm),
+            ws.p * ws.item,
+        )
+        dense.gram(ws.M, ws.ldm, ws.K, n, ws.p, accumulate=True)
+
+    launcher.run(("score_gram", n), body)
 
 
 def _sorted_weighted_median(cp: ModuleType, v: Any, w: Any) -> Any:

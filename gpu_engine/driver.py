@@ -59,6 +59,7 @@ def _driver_library() -> Any:
             "cuLaunchKernel": [vp, u, u, u, u, u, u, u, vp, vp, vp],
             "cuGraphLaunch": [vp, vp],
             "cuMemcpyHtoDAsync_v2": [ull, vp, sz, vp],
+            "cuMemcpyDtoDAsync_v2": [ull, ull, sz, vp],
             "cuStreamWaitEvent": [vp, vp, u],
             "cuEventQuery": [vp],
         }
@@ -101,6 +102,7 @@ class DriverCalls:
             self._launch = lib.cuLaunchKernel
             self._graph_launch = lib.cuGraphLaunch
             self._htod = lib.cuMemcpyHtoDAsync_v2
+            self._dtod = lib.cuMemcpyDtoDAsync_v2
             self._wait = lib.cuStreamWaitEvent
             self._event_query = lib.cuEventQuery
         else:
@@ -146,6 +148,14 @@ class DriverCalls:
             rt.memcpyAsync(dst, src, nbytes, rt.memcpyHostToDevice, stream)
             return
         self._check(self._call(self._htod, dst, src, nbytes, stream))
+
+    def copy_on_device(self, dst: int, src: int, nbytes: int, stream: int) -> None:
+        """Queue a copy between two device buffers."""
+        if self._lib is None:
+            rt = self._cp.cuda.runtime
+            rt.memcpyAsync(dst, src, nbytes, rt.memcpyDeviceToDevice, stream)
+            return
+        self._check(self._call(self._dtod, dst, src, nbytes, stream))
 
     def stream_wait(self, stream: int, event: int) -> None:
         """Work queued on ``stream`` from now on waits for ``event``."""

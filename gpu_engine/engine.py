@@ -20,7 +20,7 @@ same singularity rule. docs/gpu-engine.md describes the kernels.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Generator, Iterable, Iterator, Sequence
 from typing import Any, ClassVar
 
 import numpy as np
@@ -30,9 +30,10 @@ from rh_dask.exceptions import ValidationError
 from rh_dask.state import BatchDiagnostics, HuberState
 
 from ._cuda import import_cupy, resolve_device
-from .batch import BatchRunner
+from .batch import BatchRunner, run_to_end
 from .device_loop import DEVICE_LOOP_MODES, DeviceLoop
 from .driver import DriverCalls
+from .grid import DeviceGrid
 from .host_pool import device_pool
 from .inputs import BatchInputs
 from .kernels import get_kernels
@@ -42,7 +43,7 @@ from .newton import CHOLESKY_MODES, NewtonDriver
 from .parts import DeviceParts
 from .predict import Predictor
 from .solver import DenseSolver
-from .state import DeviceState
+from .state import DeviceState, HeldState
 from .transfer import HostStager, PinnedPool
 from .workspace import Workspace
 
@@ -227,9 +228,11 @@ class GpuEngine:
                 calls=self._calls,
                 pool=self._host_pool,
             )
-            self._inputs = BatchInputs(cp, self._device_id, self._dtype, stream, stager)
+            self._inputs = BatchInputs(
+                cp, self._device_id, self._dtype, stream, stager, self._calls
+            )
             self._launcher = Launcher(cp, kernels, self._calls, stream, max_grid, graphs)
-            self._state = DeviceState(cp, self._device_id, stream, self._ws)
+            self._state = DeviceState(cp, self._device_id, stream, self._ws, self._calls)
             self._predictor = Predictor(
                 cp,
                 self._device_id,
@@ -284,6 +287,11 @@ class GpuEngine:
     def n_samples_seen(self) -> int:
         counters = self._state.counters
         return 0 if counters is None else counters.n_samples_seen
+
+    @property
+    def stream(self) -> Any:
+        """The engine's CUDA stream (``cupy.cuda.Stream``), where all its device work is queued."""
+        return self._stream
 
     @property
     def graphs(self) -> bool:
@@ -439,13 +447,90 @@ class GpuEngine:
         """Z β: NumPy out for host input, CuPy (on the engine's device) for device input."""
         return self._predictor.predict(X, self._closed)
 
+    # -- advancing several engines together ------------------------------------------------
+    def batch_steps(
+        self, X: Any, y: Any, sample_weight: Any | None = None, *, checked: Any = None
+    ) -> Generator[Any, None, BatchDiagnostics]:
+        """:meth:`partial_fit` as a generator that yields wherever the host must wait.
+
+        Each ``yield`` hands out the engine's CUDA stream, with work queued on
+        it whose result the next step reads: the caller calls the stream's
+        ``synchronize()`` before resuming the generator. The generator's
+        return value is the batch's diagnostics. Several engines' generators
+        can be resumed in turn on one thread and their streams waited for
+        together, so that one engine's work runs on the device while the
+        host prepares another's (:mod:`gpu_engine.grid`); each engine queues
+        exactly the work of its :meth:`partial_fit`, so the results are the
+        same bits. Device inputs are ordered after the stream that is current
+        when the generator is first resumed. Atomic on failure, as
+        :meth:`partial_fit`; a generator closed before its end leaves the
+        batch uncounted, with β, J and K in any state (:meth:`hold` and
+        :meth:`put_back` restore them). ``checked``, a CUDA event (a
+        ``cupy.cuda.Event``), says the arrays are device arrays already
+        checked for this engine's device, dtype, layout and shapes (a
+        grid's shared copy, made by the work the event follows): only the
+        width against the stream is checked again, and the engine's stream
+        waits for the event.
+        """
+        cp = self._cp
+        with cp.cuda.Device(self._device_id):
+            if checked is not None:
+                views = self._inputs.checked_views(
+                    X, y, sample_weight, self.n_features_in, checked
+                )
+            else:
+                views = self._device_views(X, y, sample_weight)
+            steps = self._fit_steps(*views)
+        try:
+            while True:
+                with cp.cuda.Device(self._device_id), self._stream:
+                    try:
+                        next(steps)
+                    except StopIteration as stop:
+                        return stop.value
+                yield self._stream
+        finally:
+            steps.close()
+
+    @staticmethod
+    def grid_device(engines: Sequence[GpuEngine], reference_tau: float) -> DeviceGrid:
+        """What a grid of these engines shares: one device copy of each batch, and its scores.
+
+        See :mod:`gpu_engine.grid` (the engines must share a device, dtype
+        and ``fit_intercept``, as a grid's do).
+        """
+        return DeviceGrid(engines, reference_tau)
+
+    def hold(self) -> HeldState:
+        """Keep a copy of the stream's state on the device, for :meth:`put_back`.
+
+        The copies of β, J and K are queued on the engine's stream (no
+        synchronisation, no host copy); only the latest hold is kept.
+        """
+        with self._cp.cuda.Device(self._device_id), self._stream:
+            return self._state.hold()
+
+    def put_back(self, held: HeldState) -> None:
+        """Return to the state of :meth:`hold`, whatever happened since (a batch half done)."""
+        with self._cp.cuda.Device(self._device_id):
+            self._inputs.stager.discard_pending()
+            self._state.put_back(held)
+
     # -- internals ---------------------------------------------------------------------
     def _device_views(self, X: Any, y: Any, sample_weight: Any | None = None) -> tuple[Any, ...]:
         return self._inputs.device_views(X, y, sample_weight, self.n_features_in)
 
     def _fit(self, X: Any, y: Any, w: Any | None, staged: Any) -> BatchDiagnostics:
+        with self._stream:
+            return run_to_end(
+                self._fit_steps(X, y, w, staged), lambda: self._calls.synchronize(self._stream)
+            )
+
+    def _fit_steps(
+        self, X: Any, y: Any, w: Any | None, staged: Any
+    ) -> Generator[None, None, BatchDiagnostics]:
         accumulate_k = self._state.accumulates_k(self._score_variance)
-        diagnostics, counters = self._batches.run(
+        diagnostics, counters = yield from self._batches.steps(
             X, y, w, staged, self._state.counters, accumulate_k
         )
         self._state.advance(counters, accumulated_k=accumulate_k)

@@ -18,6 +18,7 @@ from rh_dask.exceptions import ValidationError
 from rh_dask.validation import check_width
 
 from . import layout
+from .driver import DriverCalls
 from .transfer import HostStager, StagedBatch, as_device_array
 
 #: ``I_INVALID`` bits set by ``rh_build`` and the errors they stand for.
@@ -82,16 +83,25 @@ class BatchInputs:
         The engine's stream.
     stager : HostStager
         Stages host batches.
+    calls : DriverCalls, optional
+        Queues stream waits (the engine passes its own).
     """
 
     def __init__(
-        self, cp: ModuleType, device_id: int, dtype: np.dtype, stream: Any, stager: HostStager
+        self,
+        cp: ModuleType,
+        device_id: int,
+        dtype: np.dtype,
+        stream: Any,
+        stager: HostStager,
+        calls: DriverCalls | None = None,
     ) -> None:
         self._cp = cp
         self._device_id = device_id
         self._dtype = dtype
         self._stream = stream
         self.stager = stager
+        self._calls = calls if calls is not None else DriverCalls(cp)
         self._caller_ready = cp.cuda.Event(disable_timing=True)
 
     def prefetch(self, X: Any, y: Any, w: Any | None, n_features: int | None) -> None:
@@ -114,6 +124,20 @@ class BatchInputs:
         Xh, yh, wh = self._check_host(X, y, w, n_features)
         staged = self.stager.take(Xh, yh, wh) or self.stager.stage(Xh, yh, wh)
         return staged.X, staged.y, staged.w, staged
+
+    def checked_views(
+        self, X: Any, y: Any, w: Any | None, n_features: int | None, ready: Any
+    ) -> tuple[Any, Any, Any | None, None]:
+        """Device arrays whose device, dtype, layout and shapes were checked already.
+
+        What a grid's shared copy of a batch is (:class:`gpu_engine.grid.DeviceGrid`
+        checks it once for every engine): only the width against this
+        stream is checked here, and the engine's stream waits for ``ready``
+        (a CUDA event recorded after the work that made the arrays).
+        """
+        check_width(X, n_features)
+        self._calls.stream_wait(self._stream.ptr, ready.ptr)
+        return X, y, w, None
 
     def _check_host(
         self, X: Any, y: Any, w: Any | None, n_features: int | None

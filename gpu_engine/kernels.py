@@ -51,6 +51,7 @@ KERNEL_NAMES: tuple[str, ...] = (
     "rh_wide_commit_gram",
     "rh_wide_lamm_symv",
     "rh_lamm_trials_wide",
+    "rh_score_gram_rows",
 )
 
 _LOCK = threading.Lock()
@@ -96,8 +97,13 @@ class Kernels:
         between the two would fail. Call it outside graph captures; the
         limit is cached, so repeated calls make no CUDA call.
         """
-        # Under the module lock: engines of a grid prepare their launches on
-        # threads of their own, and a limit must never be lowered under another.
+        # Limits only rise: one already high enough needs no lock (this runs
+        # for every batch of every engine).
+        known = self._dynamic_limits.get(name)
+        if known is not None and known >= nbytes:
+            return
+        # Under the module lock: engines may prepare their launches on threads
+        # of their own, and a limit must never be lowered under another.
         with _LOCK:
             limits = self._dynamic_limits
             limit = limits.get(name)

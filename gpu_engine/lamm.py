@@ -11,6 +11,8 @@ host synchronises once per group.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 from rh_dask.core import LAMM_MAX_TRIALS
 from rh_dask.exceptions import ValidationError
 
@@ -40,8 +42,18 @@ class LammDriver:
     def solve(self, n: int) -> None:
         """Solve and commit the batch in the workspace (``n`` rows); one sync per group.
 
-        Raises the batch's :class:`ValidationError` after the first group if
-        ``rh_build`` flagged its values.
+        :meth:`steps`, synchronising the engine's stream at each of its
+        yields. Raises the batch's :class:`ValidationError` after the first
+        group if ``rh_build`` flagged its values.
+        """
+        for _ in self.steps(n):
+            self._parts.calls.synchronize(self._parts.stream)
+
+    def steps(self, n: int) -> Iterator[None]:
+        """The solve of :meth:`solve`, yielding after each queued group.
+
+        The caller synchronises the engine's stream before resuming; the
+        queued work and its order are those of :meth:`solve`.
         """
         ws, launcher = self._parts.ws, self._parts.launcher
         shape = self._shape()
@@ -59,7 +71,7 @@ class LammDriver:
                 bit <<= 1
             launcher.run(("commit", n), lambda: commit(launcher, self._parts.dense, ws, n))
             rounds_left -= queue
-            self._parts.calls.synchronize(self._parts.stream)
+            yield
             if first:
                 raise_if_invalid(ws.status_i)
                 first = False

@@ -23,6 +23,8 @@ the solve goes on.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 from rh_dask.core import singular_rtol
 from rh_dask.exceptions import EngineUnavailableError, ValidationError
 
@@ -81,16 +83,28 @@ class NewtonDriver:
     def solve(self, n: int, p: int) -> None:
         """Solve and commit the batch in the workspace (``n`` rows, ``p`` parameters).
 
-        One synchronisation per iteration (host loop) or per batch (device
-        loop, plus one per singular factor); the commit rides on the last
-        one. Raises the batch's :class:`ValidationError` after the first one
-        if ``rh_build`` flagged its values.
+        :meth:`steps`, synchronising the engine's stream at each of its
+        yields: one synchronisation per iteration (host loop) or per batch
+        (device loop, plus one per singular factor); the commit rides on the
+        last one. Raises the batch's :class:`ValidationError` after the first
+        one if ``rh_build`` flagged its values.
 
         Raises
         ------
         EngineUnavailableError
             With ``device_loop="on"``, when the loop graph cannot be built
             (before anything is committed).
+        """
+        for _ in self.steps(n, p):
+            self._parts.calls.synchronize(self._parts.stream)
+
+    def steps(self, n: int, p: int) -> Iterator[None]:
+        """The solve of :meth:`solve`, yielding where it needs the stream synchronised.
+
+        Each ``yield`` follows queued work whose status the next step reads:
+        the caller synchronises the engine's stream before resuming (several
+        engines can so be synchronised together, :mod:`gpu_engine.grid`).
+        The queued work and its order are those of :meth:`solve`.
         """
         run = self._parts.launcher.run
         self.small_solve = self._fused_solve_fits(p)
@@ -103,24 +117,24 @@ class NewtonDriver:
         graph = self._loop_graph(n)
         self.device_loop = graph is not None
         if graph is None:
-            self._host_loop(n, p)
+            yield from self._host_loop(n, p)
         else:
-            self._device_loop(n, p, graph)
+            yield from self._device_loop(n, p, graph)
 
-    def _host_loop(self, n: int, p: int) -> None:
+    def _host_loop(self, n: int, p: int) -> Iterator[None]:
         """One step graph and one synchronisation per iteration."""
         ws, run = self._parts.ws, self._parts.launcher.run
         for it in range(self._parts.config.max_iter):
             run(("step", n), lambda: self._step(n))
-            self._parts.calls.synchronize(self._parts.stream)
+            yield
             if it == 0:
                 raise_if_invalid(ws.status_i)
             if ws.status_i[layout.I_FALLBACK]:
-                self._fallback(n, p)
+                yield from self._fallback(n, p)
             if ws.status_i[layout.I_DONE]:
                 return
 
-    def _device_loop(self, n: int, p: int, graph: LoopGraph) -> None:
+    def _device_loop(self, n: int, p: int, graph: LoopGraph) -> Iterator[None]:
         """Every iteration in one launch, up to the end of the solve or a singular factor.
 
         Each launch ends the solve or advances the iteration count (the
@@ -129,11 +143,11 @@ class NewtonDriver:
         ws = self._parts.ws
         for it in range(self._parts.config.max_iter):
             graph.launch(self._parts.stream.ptr)
-            self._parts.calls.synchronize(self._parts.stream)
+            yield
             if it == 0:
                 raise_if_invalid(ws.status_i)
             if ws.status_i[layout.I_FALLBACK]:
-                self._fallback(n, p)
+                yield from self._fallback(n, p)
             elif not ws.status_i[layout.I_DONE]:  # pragma: no cover - a kernel bug
                 raise RuntimeError(
                     "the Newton device loop stopped with the solve still open "
@@ -142,8 +156,12 @@ class NewtonDriver:
             if ws.status_i[layout.I_DONE]:
                 return
 
-    def _fallback(self, n: int, p: int) -> None:
-        """The factor was singular: the host's direction, its line search and the row pass."""
+    def _fallback(self, n: int, p: int) -> Iterator[None]:
+        """The factor was singular: the host's direction, its line search and the row pass.
+
+        Yields once, after the commit kernel: the caller synchronises before
+        the status is read again.
+        """
         ws = self._parts.ws
         direction = self._parts.dense.fallback_direction(
             ws.Hs, ws.g, p, singular_rtol(self._parts.config.np_dtype, p)
@@ -152,7 +170,7 @@ class NewtonDriver:
         self._search(n, force=1)
         self._eval_and_gram(n)
         commit_finish(self._parts.launcher, ws)
-        self._parts.calls.synchronize(self._parts.stream)
+        yield
 
     def _loop_graph(self, n: int) -> LoopGraph | None:
         """The device loop's graph for ``n`` rows (built on first use), or None for the host loop.

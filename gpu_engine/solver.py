@@ -182,6 +182,54 @@ class DenseSolver:
         )
         _check(status, "cuBLAS gemm")
 
+    def matvec(self, Z: Any, ldz: int, v: Any, out: Any, n: int, p: int) -> None:
+        """``out[:n]`` = Z v over the first n rows of the row-major n×ldz ``Z``, one GEMM."""
+        cb = self._cublas
+        status = self._gemm(
+            self.blas,
+            cb.CUBLAS_OP_T,
+            cb.CUBLAS_OP_N,
+            n,
+            1,
+            p,
+            self._one.ctypes.data,
+            Z.data.ptr,
+            ldz,
+            v.data.ptr,
+            p,
+            self._zero.ctypes.data,
+            out.data.ptr,
+            n,
+        )
+        _check(status, "cuBLAS gemm")
+
+    def gram(self, S: Any, lds: int, out: Any, n: int, p: int, accumulate: bool = False) -> None:
+        """``out`` (p × p) = Sᵀ S over the first n rows and p columns of ``S`` (or ``+=`` it).
+
+        ``S`` is row-major n×lds. Through the engine's own handle, bound to
+        its stream: a library handle shared by streams that run at the same
+        time (CuPy's, per thread) may pick other internal implementations,
+        and so other bits, than it picks for a stream running alone.
+        """
+        cb = self._cublas
+        status = self._gemm(
+            self.blas,
+            cb.CUBLAS_OP_N,
+            cb.CUBLAS_OP_T,
+            p,
+            p,
+            n,
+            self._one.ctypes.data,
+            S.data.ptr,
+            lds,
+            S.data.ptr,
+            lds,
+            (self._one if accumulate else self._zero).ctypes.data,
+            out.data.ptr,
+            p,
+        )
+        _check(status, "cuBLAS gemm")
+
     def cholesky_solve(self, H: Any, D: Any, p: int, info_ptr: int, solve_info_ptr: int) -> None:
         """Factorise H in place (lower) and overwrite D with H⁻¹D; infos on the device."""
         lower = self._cublas.CUBLAS_FILL_MODE_LOWER
@@ -209,6 +257,19 @@ class DenseSolver:
         cupy.ndarray, shape (p,)
             A finite direction D with Hs D = g (or its minimum-norm least-squares solution).
         """
+        cp = self._cp
+        # The eigendecomposition and products below go through CuPy's library
+        # handles, which every stream of this thread shares; cuBLAS and cuSOLVER
+        # keep their results bit-reproducible only while one stream is active
+        # (the engines of a grid run side by side). This rare rung therefore
+        # waits for the whole device first and for its own stream at the end.
+        cp.cuda.Device(self.device_id).synchronize()
+        try:
+            return self._fallback_direction(Hs, g, p, rtol)
+        finally:
+            cp.cuda.get_current_stream().synchronize()
+
+    def _fallback_direction(self, Hs: Any, g: Any, p: int, rtol: float) -> Any:
         cp = self._cp
         if self._lu is None:
             lwork = int(self._getrf_size(self.lapack, p, p, Hs.data.ptr, p))

@@ -21,9 +21,9 @@ from rh_dask.state import HuberState
 from .workspace import Workspace
 
 
-@dataclass
+@dataclass(frozen=True)
 class Counters:
-    """The host side of the state: everything but β, J and K."""
+    """The host side of the state: everything but β, J and K (a batch makes new ones)."""
 
     n_features_in: int
     fit_intercept: bool
@@ -31,6 +31,15 @@ class Counters:
     batch_count: int = 0
     previous_lambda: float = 0.0
     weight_sum: float = 0.0
+
+
+@dataclass(frozen=True)
+class HeldState:
+    """What :meth:`DeviceState.hold` kept: the counters, and which device copy holds β, J, K."""
+
+    counters: Counters | None
+    k_valid: bool
+    serial: int
 
 
 class DeviceState:
@@ -46,10 +55,16 @@ class DeviceState:
         The engine's stream (copies in and out are ordered on it).
     ws : Workspace
         Holds β and J.
+    calls : DriverCalls, optional
+        Queues the device copies of :meth:`hold` and :meth:`put_back`
+        (default: CuPy's).
     """
 
-    def __init__(self, cp: ModuleType, device_id: int, stream: Any, ws: Workspace) -> None:
+    def __init__(
+        self, cp: ModuleType, device_id: int, stream: Any, ws: Workspace, calls: Any = None
+    ) -> None:
         self._cp = cp
+        self._calls = calls
         self._device_id = device_id
         self._stream = stream
         self._ws = ws
@@ -59,6 +74,9 @@ class DeviceState:
         #: Whether K in ``ws`` holds the stream's score variance (False after
         #: importing a state without one: K stays absent until a fresh stream).
         self._k_valid = True
+        #: A device copy of β, J and K (``ws.state_block``) made by the latest :meth:`hold`.
+        self._held: Any = None
+        self._hold_serial = 0
 
     def require(self) -> Counters:
         """The counters, or :class:`NotFittedError` when the stream is empty."""
@@ -97,6 +115,54 @@ class DeviceState:
             # distributed walk reads β after every batch).
             self._host_beta = self._ws.beta_host.copy()
         return self._host_beta
+
+    def hold(self) -> HeldState:
+        """Copy β, J and K on the device (queued on the current stream) for :meth:`put_back`.
+
+        Only the latest hold is kept: the next one overwrites its copies.
+        """
+        self._hold_serial += 1
+        counters = self.counters
+        if counters is None:
+            return HeldState(None, True, self._hold_serial)
+        block = self._ws.state_block
+        if self._held is None or self._held.shape != block.shape:
+            self._held = self._cp.empty_like(block)
+        self._copy(self._held, block)
+        # Counters are replaced, never changed, by every batch: keeping the object is a copy.
+        return HeldState(counters, self._k_valid, self._hold_serial)
+
+    def _copy(self, dst: Any, src: Any) -> None:
+        """Queue a device copy of ``src`` into ``dst`` on the current stream."""
+        if self._calls is None:
+            dst.data.copy_from_device_async(src.data, src.nbytes)
+        else:
+            stream = self._cp.cuda.get_current_stream().ptr
+            self._calls.copy_on_device(dst.data.ptr, src.data.ptr, src.nbytes, stream)
+
+    def put_back(self, held: HeldState) -> None:
+        """Return to the state of the latest :meth:`hold`, after whatever was queued since.
+
+        Raises
+        ------
+        ValueError
+            When ``held`` is not the latest hold (its copies are overwritten).
+        """
+        if held.serial != self._hold_serial:
+            raise ValueError("only the latest hold of the GPU engine's state can be put back")
+        cp, ws, stream = self._cp, self._ws, self._stream
+        with cp.cuda.Device(self._device_id), stream:
+            stream.synchronize()
+            if held.counters is None:
+                self.forget()
+                return
+            assert self._held is not None
+            self._copy(ws.state_block, self._held)
+            ws.beta_host[...] = cp.asnumpy(ws.beta, stream=stream)
+            stream.synchronize()
+        self.counters = held.counters
+        self._host_beta = None
+        self._k_valid = held.k_valid
 
     def export(self) -> HuberState:
         """A host (NumPy) copy of the portable state."""

@@ -92,7 +92,14 @@ class Workspace:
         self.ldz = _round_up(p, self._align)
         self.ldm = _round_up(p + 1, self._align)
         self.ldp = _round_up(p, 2)
-        self.beta = cp.zeros(p, dtype=dt)  # committed state
+        # The committed state β, J and K in one block (each part 128-byte
+        # aligned), so that a copy of the state is one device copy.
+        j_at = _round_up(p, 32)
+        k_at = j_at + _round_up(p * p, 32)
+        self.state_block = cp.zeros(k_at + p * p, dtype=dt)
+        self.beta = self.state_block[:p]
+        self.J = self.state_block[j_at : j_at + p * p].reshape(p, p)
+        self.K = self.state_block[k_at:].reshape(p, p)  # Σ Zᵀ diag(w ψ²) Z, the sandwich's meat
         # Host-mapped copy of β, written by every commit (device pointer = host
         # pointer under unified addressing, like the status block's).
         if self._beta_mirror is not None:
@@ -100,8 +107,6 @@ class Workspace:
         self._beta_mirror = PinnedBuffer(cp, p * self.item, mapped=True)
         self.beta_host = self._beta_mirror.view(dt, p)
         self.beta_host[...] = 0
-        self.J = cp.zeros((p, p), dtype=dt)
-        self.K = cp.zeros((p, p), dtype=dt)  # Σ Zᵀ diag(w ψ²) Z, the sandwich's meat
         self.beta_work = cp.zeros(p, dtype=dt)
         self.C = cp.zeros(p * (p + 1), dtype=dt)
         self.H = cp.zeros((p, p), dtype=dt)

@@ -324,6 +324,7 @@ def _stand_in_driver(
         log.append("fallback")
         ws.status_i[layout.I_FALLBACK] = 0
         ws.status_i[layout.I_ITER] += 1
+        yield from ()  # the real fallback yields once, for the sync after its commit
 
     parts = SimpleNamespace(
         ws=ws,

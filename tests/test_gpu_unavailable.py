@@ -99,9 +99,10 @@ def test_partial_fit_stream_prefetches_one_batch_ahead_with_or_without_weights()
             return X, y, w, None
 
     class Batches:
-        def run(self, X, y, w, staged, counters, accumulate_k):
+        def steps(self, X, y, w, staged, counters, accumulate_k):
             log.append(("fit", X, w))
             return f"diagnostics {X}", SimpleNamespace(n_features_in=3)
+            yield  # a generator that never needs its stream synchronised
 
     class State:
         counters = None
@@ -117,6 +118,8 @@ def test_partial_fit_stream_prefetches_one_batch_ahead_with_or_without_weights()
     engine._device_id = 0
     engine._score_variance = True
     engine._inputs, engine._batches, engine._state = Inputs(), Batches(), State()
+    engine._stream = nullcontext()
+    engine._calls = SimpleNamespace(synchronize=lambda stream: log.append("sync"))
     stream = [("a", "ya"), ("b", "yb", "wb"), ("c", "yc")]
     assert list(engine.partial_fit_stream(stream)) == [
         "diagnostics a",

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from gpu_engine import kernels, layout
+from gpu_engine import grid, kernels, layout
 
 #: The architecture the engine's kernels must build for (H100/H200: sm_90).
 ARCHITECTURES = ("sm_90",)
@@ -46,18 +46,32 @@ NVRTC = _find_nvrtc()
 pytestmark = pytest.mark.skipif(NVRTC is None, reason="NVRTC (nvidia-cuda-nvrtc) is not installed")
 
 
-def _compile(ctype: str, arch: str) -> tuple[int, str, int]:
-    """(NVRTC status, compile log, size of the machine code) for one dtype."""
+def _compile(
+    ctype: str,
+    arch: str,
+    source: Path | None = None,
+    expressions: tuple[str, ...] | None = None,
+    compile_options: tuple[str, ...] = kernels.COMPILE_OPTIONS,
+) -> tuple[int, str, int]:
+    """(NVRTC status, compile log, size of the machine code) for one dtype.
+
+    By default the engine's ``huber.cu`` with its kernels' name expressions;
+    ``source``, ``expressions`` and ``compile_options`` compile another file.
+    """
     lib = NVRTC
-    code = (layout.cuda_defines() + kernels.SOURCE.read_text()).encode()
+    source = kernels.SOURCE if source is None else source
+    if expressions is None:
+        expressions = tuple(f"{name}<{ctype}>" for name in kernels.KERNEL_NAMES)
+    code = (layout.cuda_defines() + source.read_text()).encode()
     program = ctypes.c_void_p()
-    assert lib.nvrtcCreateProgram(ctypes.byref(program), code, b"huber.cu", 0, None, None) == 0
+    assert (
+        lib.nvrtcCreateProgram(ctypes.byref(program), code, source.name.encode(), 0, None, None)
+        == 0
+    )
     try:
-        for name in kernels.KERNEL_NAMES:
-            assert lib.nvrtcAddNameExpression(program, f"{name}<{ctype}>".encode()) == 0
-        options = [o.encode() for o in kernels.COMPILE_OPTIONS] + [
-            f"--gpu-architecture={arch}".encode()
-        ]
+        for expression in expressions:
+            assert lib.nvrtcAddNameExpression(program, expression.encode()) == 0
+        options = [o.encode() for o in compile_options] + [f"--gpu-architecture={arch}".encode()]
         status = lib.nvrtcCompileProgram(
             program, len(options), (ctypes.c_char_p * len(options))(*options)
         )
@@ -86,6 +100,22 @@ def test_the_kernels_compile_for_both_dtypes(ctype, arch):
         if re.search(r"warning #\d+", line) and "#177-D" not in line
     ]
     assert not warnings, "\n".join(warnings)
+
+
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+@pytest.mark.parametrize("ctype", ["float", "double"])
+def test_the_grid_scoring_kernels_compile_for_both_dtypes(ctype, arch):
+    """``kernels/score.cu`` as :func:`gpu_engine.grid.score_kernels` compiles it."""
+    status, log, cubin_bytes = _compile(
+        ctype,
+        arch,
+        grid.SOURCE,
+        (f"rh_score_rows<{ctype}>", "rh_score_finish"),
+        grid.COMPILE_OPTIONS,
+    )
+    assert status == 0, f"NVRTC could not compile score.cu for {ctype} on {arch}:\n{log}"
+    assert cubin_bytes > 0
+    assert not re.findall(r"warning #\d+.*", log), log
 
 
 def test_a_broken_source_fails_to_compile(monkeypatch, tmp_path):

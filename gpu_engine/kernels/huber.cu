@@ -1317,3 +1317,31 @@ rh_predict(const T* __restrict__ X, long long ldx, long long n, long long d,
     if (lane == 0) out[i] = v;
   }
 }
+
+// ---------------------------------------------------------------------------
+// The score variance's rows at the committed β: S = s ⊙ Z with
+// s = |clip(y − Zβ, ±τ)| · √w (row stride lds), so that K += SᵀS is one GEMM
+// (batch.py, once the batch is committed). β is the committed one, τ the
+// control block's.
+// ---------------------------------------------------------------------------
+template <typename T>
+__global__ void __launch_bounds__(RH_ROW_THREADS)
+rh_score_gram_rows(const T* __restrict__ Z, long long ldz, long long n, long long p,
+                   const T* __restrict__ y, const T* __restrict__ w,
+                   const T* __restrict__ beta, const double* __restrict__ ctl,
+                   T* __restrict__ S, long long lds) {
+  extern __shared__ double smem_d[];
+  T* sb = reinterpret_cast<T*>(smem_d);
+  for (long long j = threadIdx.x; j < p; j += blockDim.x) sb[j] = beta[j];
+  __syncthreads();
+  const T tau = (T)ctl[RH_P_TAU];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const long long nw = (long long)gridDim.x * (blockDim.x >> 5);
+  for (long long i = (long long)blockIdx.x * (blockDim.x >> 5) + warp; i < n; i += nw) {
+    const T* zr = Z + i * ldz;
+    const T ri = y[i] - row_dot(zr, sb, p, lane);
+    const T s = mul_rn(absv(clip(ri, -tau, tau)), sqrtv(w[i]));
+    T* sr = S + i * lds;
+    for (long long j = lane; j < p; j += 32) sr[j] = mul_rn(zr[j], s);
+  }
+}
