@@ -11,9 +11,11 @@ pass and reset between passes:
   the engine has it (the GPU engine overlaps each chunk's copy with the
   previous solve), else the same loop;
 * ``grid``: :class:`rh_dask.engines.grid.GridEngine` over ``--taus`` (8
-  values by default), each chunk scored at every configuration then fitted
-  by every configuration; for the GPU engine each host chunk is copied to
-  the device once and shared.
+  values by default) through ``partial_fit_stream``, each chunk scored at
+  every configuration then fitted by every configuration; for the GPU
+  engine each host chunk is copied to the device once (the next one while
+  this one is solved) and shared, and the engines advance side by side
+  (``grid``) or one after the other (``grid_sequential``).
 
 With ``--distributed N`` the grid also runs on a cluster of N workers, one
 :class:`~rh_dask.distributed.grid_walk.GridActor` per worker, through
@@ -95,8 +97,8 @@ def time_grid(grid: GridEngine, chunks: list, repeats: int) -> list[float]:
     for _ in range(repeats + 1):
         grid.reset()
         start = time.perf_counter()
-        for i, (X, y) in enumerate(chunks):
-            grid.partial_fit(X, y, chunk=i)
+        for _ in grid.partial_fit_stream(chunks):
+            pass
         grid.coefficients()
         samples.append(time.perf_counter() - start)
     return samples[1:]

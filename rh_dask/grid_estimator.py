@@ -375,22 +375,39 @@ class RenewableHuberGridRegressor(RegressorMixin, BaseEstimator):
                 "data persisted on a cluster; pass the unpersisted collection"
             )
         consumed = empty = 0
+
+        def fit(item: Any, upcoming: Any) -> None:
+            nonlocal consumed
+            ahead = None if upcoming is None else (upcoming.X, upcoming.y, upcoming.sample_weight)
+            try:
+                grid.partial_fit(
+                    item.X, item.y, item.sample_weight, chunk=item.index, upcoming=ahead
+                )
+            except ValidationError as exc:
+                message = f"chunk {item.index} was refused: {type(exc).__name__}: {exc}"
+                raise chunk_error(item.index, exc, message) from exc
+            if fresh and consumed == 0:
+                self._adopt(grid, names)
+            consumed += 1
+
         try:
             with closing(iter_local(graph, int(self.lookahead))) as items:
+                # One chunk held back, so that a GPU grid copies the next chunk
+                # while it solves this one.
+                held = None
                 for item in items:
                     if isinstance(item, EmptyChunk):
                         empty += 1
                         continue
                     if isinstance(item, BadChunk):
+                        if held is not None:
+                            fit(held, None)
                         raise item.exception()
-                    try:
-                        grid.partial_fit(item.X, item.y, item.sample_weight, chunk=item.index)
-                    except ValidationError as exc:
-                        message = f"chunk {item.index} was refused: {type(exc).__name__}: {exc}"
-                        raise chunk_error(item.index, exc, message) from exc
-                    if fresh and consumed == 0:
-                        self._adopt(grid, names)
-                    consumed += 1
+                    if held is not None:
+                        fit(held, item)
+                    held = item
+                if held is not None:
+                    fit(held, None)
         finally:
             if consumed or not fresh:
                 self._n_empty += empty

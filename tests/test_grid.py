@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import threading
-from typing import ClassVar
-
 import dask
 import dask.array as da
 import dask.dataframe as dd
@@ -195,21 +192,63 @@ def test_a_later_engine_refusing_restores_the_earlier_ones(make_stream, allow):
     assert len(grid.records) == allow
 
 
-class _Serialised(NumpyEngine):
-    """A NumPy engine whose fits hold one lock (their BLAS thread setting is process-wide)."""
+class _Wait:
+    """What a stand-in's step yields: waiting for it is logged."""
 
-    lock = threading.Lock()
-    threads: ClassVar[set[int]] = set()
+    def __init__(self, log, name):
+        self.log, self.name = log, name
 
-    def partial_fit(self, X, y, sample_weight=None):
-        with self.lock:
-            _Serialised.threads.add(threading.get_ident())
-            return super().partial_fit(X, y, sample_weight)
+    def synchronize(self):
+        self.log.append(("wait", self.name))
 
 
-@pytest.mark.parametrize("refusing", [None, 0, 2])
-def test_the_concurrent_path_gives_the_same_bits_and_restores_every_engine(make_stream, refusing):
-    """GPU grids fit their engines side by side; here NumPy stand-ins take that path."""
+class _Stepped(NumpyEngine):
+    """A NumPy engine offering ``batch_steps`` (as the GPU engine does) to the grid.
+
+    Each batch takes three resumes: the first fits the batch (the state is
+    committed from then on), then two more yields, as a GPU solve that waits
+    for its device between iterations. ``fail`` = (batch, resume, error)
+    raises that error at that resume of that batch.
+    """
+
+    def __init__(self, config, name, log, fail=None):
+        super().__init__(config)
+        self.name, self.log, self.fail = name, log, fail
+
+    def batch_steps(self, X, y, sample_weight=None):
+        batch = self.batch_count
+        diagnostics = None
+        for resume in range(3):
+            self.log.append(("step", self.name, resume))
+            if self.fail is not None and self.fail[:2] == (batch, resume):
+                raise self.fail[2]
+            if resume == 0:
+                diagnostics = super().partial_fit(X, y, sample_weight)
+            yield _Wait(self.log, self.name)
+        return diagnostics
+
+    def hold(self):
+        return None if self.n_features_in is None else self.export_state()
+
+    def put_back(self, held):
+        if held is None:
+            self.reset()
+        else:
+            self.import_state(held)
+
+
+def _stepped_grid(configs, log, failing=None, fail=None):
+    """A concurrent grid of stand-ins; engine ``failing`` gets ``fail``."""
+    grid = GridEngine(configs, concurrent=True)
+    grid.engines = tuple(
+        _Stepped(c, i, log, fail if i == failing else None) for i, c in enumerate(configs)
+    )
+    grid.concurrent = True
+    return grid
+
+
+def test_engines_with_steps_advance_in_rounds_with_the_same_bits(make_stream):
+    """GPU grids interleave their engines' steps; here NumPy stand-ins take that path."""
     s = make_stream(n=600, d=4, outlier_fraction=0.1, weights="uniform")
     batches = s.batches([200, 150, 250])
     configs = _configs((0.5, 1.0, 2.0, 5.0))
@@ -217,28 +256,49 @@ def test_the_concurrent_path_gives_the_same_bits_and_restores_every_engine(make_
     assert not plain.concurrent  # NumPy engines: one after the other
     for X, y, w in batches:
         plain.partial_fit(X, y, w)
-    grid = GridEngine(configs, concurrent=True)
-    engines = [_Serialised(c) for c in configs]
-    if refusing is not None:
-        engines[refusing] = _Refusing(configs[refusing], 2)
-    grid.engines = tuple(engines)
-    grid.concurrent = True
-    _Serialised.threads.clear()
-    grid.partial_fit(*batches[0])
-    grid.partial_fit(*batches[1])
-    assert _Serialised.threads and threading.get_ident() not in _Serialised.threads
-    if refusing is None:
-        grid.partial_fit(*batches[2])
-        assert _states_equal(grid.export_states(), plain.export_states())
-        assert [r.diagnostics for r in grid.records] == [r.diagnostics for r in plain.records]
-    else:
-        before = grid.export_states()
-        with pytest.raises(ValidationError, match="refused by this configuration"):
-            grid.partial_fit(*batches[2])
-        assert _states_equal(grid.export_states(), before)  # every engine put back
-        assert len(grid.records) == 2
-    grid.close()
-    assert grid._threads is None
+    log = []
+    grid = _stepped_grid(configs, log)
+    for X, y, w in batches:
+        grid.partial_fit(X, y, w)
+    assert _states_equal(grid.export_states(), plain.export_states())
+    assert [r.diagnostics for r in grid.records] == [r.diagnostics for r in plain.records]
+    assert [r.huber_loss.tobytes() for r in grid.records] == [
+        r.huber_loss.tobytes() for r in plain.records
+    ]
+    # Every engine is started before the host waits for any; each is resumed
+    # only after its own wait.
+    per_batch = len(log) // len(batches)
+    assert per_batch == 4 * (3 + 3)
+    for b in range(len(batches)):
+        part = log[b * per_batch : (b + 1) * per_batch]
+        assert part[:4] == [("step", i, 0) for i in range(4)]
+        for i in range(4):
+            own = [entry for entry in part if entry[1] == i]
+            assert own == [x for resume in range(3) for x in (("step", i, resume), ("wait", i))]
+
+
+@pytest.mark.parametrize(
+    ("failing", "resume", "error"),
+    [
+        (2, 1, ValidationError("refused by this configuration")),  # 0 and 1 committed already
+        (0, 2, KeyboardInterrupt()),  # Ctrl-C in the middle of a batch
+        (3, 0, RuntimeError("a device fault")),
+    ],
+)
+def test_a_failing_engine_puts_every_engine_back(make_stream, failing, resume, error):
+    s = make_stream(n=600, d=4, outlier_fraction=0.1)
+    batches = s.batches([200, 150, 250])
+    log = []
+    grid = _stepped_grid(_configs((0.5, 1.0, 2.0, 5.0)), log, failing, (2, resume, error))
+    grid.partial_fit(*batches[0][:2])
+    grid.partial_fit(*batches[1][:2])
+    before = grid.export_states()
+    with pytest.raises(type(error)):
+        grid.partial_fit(*batches[2][:2])
+    assert _states_equal(grid.export_states(), before)  # every engine put back
+    assert len(grid.records) == 2 and grid.batch_count == 2
+    # The round stopped at the failure: no engine after it was resumed again.
+    assert log[-1] == ("step", failing, resume)
 
 
 def test_concurrent_must_be_a_bool():

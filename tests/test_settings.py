@@ -225,3 +225,15 @@ def test_make_engine_passes_the_gpu_settings_to_the_constructor(monkeypatch):
         make_engine("gpu", HuberConfig())
     with dask.config.set({"rh-dask.gpu.graphs": "often"}):
         assert make_engine("numpy", HuberConfig()).name == "numpy"  # not read for NumPy
+
+
+def test_a_grid_without_settings_reads_its_concurrency_from_dask_config():
+    from rh_dask.engines.grid import GridEngine
+    from rh_dask.settings import grid_concurrent
+
+    assert grid_concurrent() is True  # the packaged default
+    with dask.config.set({"rh-dask.grid.concurrent": False}):
+        assert grid_concurrent() is False
+    with dask.config.set({"rh-dask.grid.concurrent": "sometimes"}):
+        with pytest.raises(SettingError, match=r"rh-dask\.grid\.concurrent"):
+            GridEngine([HuberConfig(tau=1.0), HuberConfig(tau=2.0)])

@@ -193,7 +193,9 @@ class GridActor:
             loop = asyncio.get_running_loop()
             began = time.perf_counter()
             try:
-                record = await loop.run_in_executor(self._thread, self._fit, item)
+                record = await loop.run_in_executor(
+                    self._thread, self._fit, item, self._delivered(index + 1)
+                )
             except ValidationError as exc:
                 return "refused", exc
             finally:
@@ -205,8 +207,20 @@ class GridActor:
                 self._next = index + 1
                 self._turn.notify_all()
 
-    def _fit(self, item: Any) -> GridRecord:
-        return self.grid.partial_fit(item.X, item.y, item.sample_weight, chunk=item.index)
+    def _delivered(self, index: int) -> tuple[Any, ...] | None:
+        """The arrays of chunk ``index`` if they are here already (the grid copies them ahead)."""
+        slot = self._inbox.get(index)
+        if slot is None or not slot.done() or slot.cancelled():
+            return None
+        item = slot.result()
+        if isinstance(item, (EmptyChunk, BadChunk)):
+            return None
+        return item.X, item.y, item.sample_weight
+
+    def _fit(self, item: Any, upcoming: tuple[Any, ...] | None) -> GridRecord:
+        return self.grid.partial_fit(
+            item.X, item.y, item.sample_weight, chunk=item.index, upcoming=upcoming
+        )
 
     def rollback(self, index: int) -> None:
         """Put every configuration back to its states before chunk ``index``."""

@@ -15,25 +15,27 @@ thus ranks the configurations, on rows none of them has seen yet.
   coefficients are bit for bit those of its own single fit.
 * A batch refused by any configuration leaves every configuration as it
   was: the earlier engines are put back from the states they held.
-* For engines that take device arrays (the GPU engine), a host batch is
-  copied to the device once and that one device copy goes to every engine;
-  the scores are computed on the device.
-* GPU engines may consume each batch side by side (``concurrent``, by default
-  ``rh-dask.grid.concurrent``, off): one thread per configuration, each engine on
-  its own CUDA stream, so that one engine's host synchronisations overlap
-  the others' device work. Each engine still runs exactly its single fit's
-  kernels in its single fit's order, so the bits do not change. NumPy
-  engines always run one after the other (their BLAS calls already use the
-  cores).
+* For GPU engines a host batch is copied to the device once (through
+  pinned memory; :meth:`GridEngine.partial_fit_stream`, or ``upcoming`` of
+  :meth:`GridEngine.partial_fit`, copy the next batch while the engines
+  solve this one) and that one device copy goes to every engine;
+  the scores are computed on the device, one launch for every
+  configuration (:mod:`gpu_engine.grid`).
+* GPU engines consume each batch side by side (``concurrent``, by default
+  ``rh-dask.grid.concurrent``): their steps are interleaved on one thread
+  (:mod:`rh_dask.engines.lockstep`), each engine on its own CUDA stream,
+  and the host waits for all of them once per Newton iteration instead of
+  once per engine, so that one engine's work overlaps the others'. Each
+  engine still runs exactly its single fit's kernels in its single fit's
+  order, so the bits do not change. NumPy engines always run one after the
+  other (their BLAS calls already use the cores).
 """
 
 from __future__ import annotations
 
 import math
 import numbers
-from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
-from contextlib import nullcontext
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -41,10 +43,11 @@ import numpy as np
 
 from ..config import HuberConfig
 from ..exceptions import ValidationError
+from ..settings import grid_concurrent
 from ..state import BatchDiagnostics, HuberState
-from ..validation import is_device_array
 from . import make_engine
 from .base import Engine
+from .lockstep import advance_together, can_advance_together
 
 if TYPE_CHECKING:  # pragma: no cover
     from ..settings import Settings
@@ -185,9 +188,10 @@ class GridEngine:
         Passed to :func:`~rh_dask.engines.make_engine` (GPU engine options),
         and ``grid_concurrent``.
     concurrent : bool, optional
-        Whether engines that take device arrays consume each batch side by
-        side, one thread each (None: ``settings.grid_concurrent``, from
-        ``rh-dask.grid.concurrent``). Ignored for NumPy engines.
+        Whether engines that can (GPU engines) consume each batch side by
+        side, their steps interleaved and waited for together (None:
+        ``settings.grid_concurrent``, from ``rh-dask.grid.concurrent``).
+        Ignored for NumPy engines.
 
     Raises
     ------
@@ -214,7 +218,7 @@ class GridEngine:
         _check_configs(configs)
         self.reference_tau = check_reference_tau(reference_tau)
         if concurrent is None:
-            concurrent = False if settings is None else bool(settings.grid_concurrent)
+            concurrent = grid_concurrent() if settings is None else bool(settings.grid_concurrent)
         elif not isinstance(concurrent, bool):
             raise ValidationError(f"concurrent must be a bool or None, got {concurrent!r}")
         self.configs = configs
@@ -223,8 +227,12 @@ class GridEngine:
         )
         self._records: list[GridRecord] = []
         #: Whether the engines consume each batch side by side (GPU engines only).
-        self.concurrent = bool(concurrent and self.accepts_device_arrays and len(configs) > 1)
-        self._threads: ThreadPoolExecutor | None = None
+        self.concurrent = bool(
+            concurrent and can_advance_together(self.engines) and len(configs) > 1
+        )
+        # What GPU engines share: one device copy of each batch, and the scores.
+        shared = getattr(self.engines[0], "grid_device", None)
+        self._device = None if shared is None else shared(self.engines, self.reference_tau)
 
     # -- what the grid holds ------------------------------------------------------
     @property
@@ -318,9 +326,9 @@ class GridEngine:
 
     def close(self) -> None:
         """Close the engines that hold resources to release (the GPU engine)."""
-        threads, self._threads = self._threads, None
-        if threads is not None:
-            threads.shutdown(wait=True)
+        device, self._device = self._device, None
+        if device is not None:
+            device.close()
         for engine in self.engines:
             close = getattr(engine, "close", None)
             if close is not None:
@@ -328,7 +336,13 @@ class GridEngine:
 
     # -- advancing ----------------------------------------------------------------
     def partial_fit(
-        self, X: Any, y: Any, sample_weight: Any | None = None, *, chunk: int = 0
+        self,
+        X: Any,
+        y: Any,
+        sample_weight: Any | None = None,
+        *,
+        chunk: int = 0,
+        upcoming: tuple[Any, ...] | None = None,
     ) -> GridRecord:
         """Score one validated batch at every configuration, then fit every configuration on it.
 
@@ -339,6 +353,12 @@ class GridEngine:
             the grid's dtype (host arrays, or device arrays for a GPU engine).
         chunk : int, default=0
             The chunk index the record names.
+        upcoming : tuple, optional
+            ``(X, y)`` or ``(X, y, sample_weight)`` of the next batch: GPU
+            engines start copying it to the device once this batch is on
+            its way, so that the copy overlaps this batch's solve (the next
+            call with these very arrays takes the copy; they must not be
+            modified until then). Ignored by NumPy engines.
 
         Returns
         -------
@@ -351,22 +371,28 @@ class GridEngine:
             When any configuration's engine refuses the batch; every
             configuration is then exactly as it was, and no record is added.
         """
-        X, y, w = self._stage(X, y, sample_weight)
-        n = int(X.shape[0])
-        if n < 1:
-            raise ValidationError("a batch needs at least one row")
-        if tuple(y.shape) != (n,) or (w is not None and tuple(w.shape) != (n,)):
-            raise ValidationError(f"y and sample_weight must have shape ({n},)")
-        if self.n_features_in is not None:
-            if X.ndim != 2 or X.shape[1] != self.n_features_in:
-                raise ValidationError(
-                    f"X has shape {tuple(X.shape)}, the stream has {self.n_features_in} features"
-                )
-            huber, mae = self._score(X, y, w)
+        if self._device is not None:
+            with self._device.batch(X, y, sample_weight, upcoming) as (X, y, w):
+                n = self._check_batch(X, y, w)
+                pending = None
+                if self.n_features_in is not None:
+                    pending = self._device.score(X, y, w, self.coefficients())
+                diagnostics = self._fit_all(X, y, w)
+                huber = mae = np.full(self.n_configs, np.nan)
+                if pending is not None:
+                    huber, mae = pending.result()
+                weight = float(n) if w is None else float(w.sum(dtype=np.float64))
         else:
+            w = sample_weight
+            n = self._check_batch(X, y, w)
             huber = mae = np.full(self.n_configs, np.nan)
-        diagnostics = self._fit_all(X, y, w)
-        weight = float(n) if w is None else float(w.sum(dtype=np.float64))
+            if self.n_features_in is not None:
+                betas = np.stack([e.coefficients() for e in self.engines], axis=1)
+                huber, mae = prequential_scores(
+                    np, X, y, w, betas, self.fit_intercept, self.reference_tau
+                )
+            diagnostics = self._fit_all(X, y, w)
+            weight = float(n) if w is None else float(w.sum(dtype=np.float64))
         record = GridRecord(
             batch=self.batch_count - 1,
             chunk=int(chunk),
@@ -379,71 +405,67 @@ class GridEngine:
         self._records.append(record)
         return record
 
+    def partial_fit_stream(self, batches: Iterable[tuple[Any, ...]]) -> Iterator[GridRecord]:
+        """:meth:`partial_fit` over ``(X, y)`` or ``(X, y, sample_weight)`` batches in order.
+
+        Yields each batch's record (``chunk``: the batch's position in
+        ``batches``). For GPU engines each host batch is copied to the device
+        while the engines solve the one before it.
+        """
+        iterator = iter(batches)
+        current = next(iterator, None)
+        index = 0
+        while current is not None:
+            upcoming = next(iterator, None)
+            yield self.partial_fit(*current, chunk=index, upcoming=upcoming)
+            current = upcoming
+            index += 1
+
     # -- internals ----------------------------------------------------------------
+    def _check_batch(self, X: Any, y: Any, w: Any | None) -> int:
+        """The batch's row count, after its shapes are checked against the stream."""
+        n = int(X.shape[0])
+        if n < 1:
+            raise ValidationError("a batch needs at least one row")
+        if tuple(y.shape) != (n,) or (w is not None and tuple(w.shape) != (n,)):
+            raise ValidationError(f"y and sample_weight must have shape ({n},)")
+        if self.n_features_in is not None and (X.ndim != 2 or X.shape[1] != self.n_features_in):
+            raise ValidationError(
+                f"X has shape {tuple(X.shape)}, the stream has {self.n_features_in} features"
+            )
+        return n
+
     def _fit_all(self, X: Any, y: Any, w: Any | None) -> list[BatchDiagnostics]:
         """Every engine consumes the batch; atomic: a refusal puts every engine back."""
-        if not self.concurrent:
-            held = self._held()
-            diagnostics: list[BatchDiagnostics] = []
+        if can_advance_together(self.engines):
+            # Any engine may fail while others have committed: each one's state is
+            # held (on the device, no wait), and a failure puts every engine back.
+            held = [engine.hold() for engine in self.engines]
             try:
-                for engine in self.engines:
-                    diagnostics.append(engine.partial_fit(X, y, w))
+                if self.concurrent:
+                    # A GPU grid's shared copy was checked once for every engine.
+                    extra = {} if self._device is None else {"checked": self._device.ready}
+                    return advance_together(
+                        [e.batch_steps(X, y, w, **extra) for e in self.engines]
+                    )
+                return [engine.partial_fit(X, y, w) for engine in self.engines]
             except BaseException:
-                self._restore(held, range(len(diagnostics)))
+                for engine, state in zip(self.engines, held, strict=True):
+                    engine.put_back(state)
                 raise
-            return diagnostics
-        # Any engine may refuse while the others succeed: each one's state is held.
-        held = self._held(every=True)
-        if self._threads is None:
-            self._threads = ThreadPoolExecutor(
-                len(self.engines), thread_name_prefix="rh-dask-grid-engine"
-            )
-        # The batch was made on this thread's current stream: each engine orders
-        # its reads after that stream's work (GPU engines wait on an event of it).
-        stream = _current_stream(X)
-        futures = [
-            self._threads.submit(_fit_on, engine, stream, X, y, w) for engine in self.engines
-        ]
-        errors = [f.exception() for f in futures]  # waits for every engine
-        if any(e is not None for e in errors):
-            self._restore(held, [i for i, e in enumerate(errors) if e is None])
-            raise next(e for e in errors if e is not None)  # the first configuration's
-        return [f.result() for f in futures]
+        held_states = self._held()
+        diagnostics: list[BatchDiagnostics] = []
+        try:
+            for engine in self.engines:
+                diagnostics.append(engine.partial_fit(X, y, w))
+        except BaseException:
+            self._restore(held_states, range(len(diagnostics)))
+            raise
+        return diagnostics
 
-    def _stage(self, X: Any, y: Any, w: Any | None) -> tuple[Any, Any, Any | None]:
-        """The batch as every engine gets it: for a device engine, one device copy."""
-        if not self.accepts_device_arrays or is_device_array(X):
-            return X, y, w
-        import cupy
-
-        with cupy.cuda.Device(_device_index(self.engines[0].device)):
-            return (
-                cupy.asarray(X),
-                cupy.asarray(y),
-                None if w is None else cupy.asarray(w),
-            )
-
-    def _score(self, X: Any, y: Any, w: Any | None) -> tuple[np.ndarray, np.ndarray]:
-        betas = np.stack([e.coefficients() for e in self.engines], axis=1)
-        if is_device_array(X):
-            import cupy
-
-            with cupy.cuda.Device(_device_index(self.engines[0].device)):
-                return prequential_scores(
-                    cupy,
-                    X,
-                    y,
-                    w,
-                    cupy.asarray(betas),
-                    self.fit_intercept,
-                    self.reference_tau,
-                )
-        return prequential_scores(np, X, y, w, betas, self.fit_intercept, self.reference_tau)
-
-    def _held(self, every: bool = False) -> list[HuberState | None]:
-        """What each engine holds; without ``every`` all but the last (whose refusal is atomic)."""
-        engines = self.engines if every else self.engines[:-1]
-        return [None if e.n_features_in is None else e.export_state() for e in engines]
+    def _held(self) -> list[HuberState | None]:
+        """What each engine but the last holds (the last one's refusal is atomic)."""
+        return [None if e.n_features_in is None else e.export_state() for e in self.engines[:-1]]
 
     def _restore(self, held: list[HuberState | None], changed: Sequence[int]) -> None:
         """Put the engines at the indices ``changed`` back to ``held``."""
@@ -453,21 +475,6 @@ class GridEngine:
                 engine.reset()
             else:
                 engine.import_state(state)
-
-
-def _current_stream(X: Any) -> Any:
-    """The calling thread's current CuPy stream for a device batch (None otherwise)."""
-    if not is_device_array(X):
-        return None
-    import cupy
-
-    return cupy.cuda.get_current_stream()
-
-
-def _fit_on(engine: Engine, stream: Any, X: Any, y: Any, w: Any | None) -> BatchDiagnostics:
-    """``engine.partial_fit`` on a grid thread, with the caller's stream current."""
-    with stream if stream is not None else nullcontext():
-        return engine.partial_fit(X, y, w)
 
 
 def _check_configs(configs: tuple[HuberConfig, ...]) -> None:
@@ -485,9 +492,3 @@ def _check_configs(configs: tuple[HuberConfig, ...]) -> None:
         )
     if len(set(configs)) != len(configs):
         raise ValidationError("the grid has duplicate configurations")
-
-
-def _device_index(device: str) -> int:
-    """The CUDA device number of an engine's ``device`` (``"cuda:N"``)."""
-    _, _, index = str(device).partition(":")
-    return int(index) if index else 0
