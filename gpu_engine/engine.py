@@ -513,7 +513,6 @@ class GpuEngine:
     def put_back(self, held: HeldState) -> None:
         """Return to the state of :meth:`hold`, whatever happened since (a batch half done)."""
         with self._cp.cuda.Device(self._device_id):
-            self._inputs.stager.discard_pending()
             self._state.put_back(held)
 
     # -- internals ---------------------------------------------------------------------

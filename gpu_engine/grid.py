@@ -36,8 +36,8 @@ from . import layout
 from ._cuda import import_cupy, resolve_device
 from .driver import DriverCalls
 from .host_pool import device_pool
-from .inputs import check_shapes, is_cuda
-from .transfer import HostStager, PinnedBuffer, StagedBatch, as_device_array
+from .inputs import accept_device_batch, check_host_batch, is_cuda
+from .transfer import HostStager, PinnedBuffer, StagedBatch
 
 __all__ = ["DeviceGrid", "PendingScores"]
 
@@ -198,40 +198,20 @@ class DeviceGrid:
                     staged.slot.consumed.record(self.stream)
 
     def _check_host(self, X: Any, y: Any, w: Any | None) -> tuple[Any, Any, Any | None]:
-        arrays = (X, y) if w is None else (X, y, w)
-        if any(is_cuda(a) for a in arrays):
-            raise ValidationError(
-                "X, y and sample_weight must all be on the host or all on the device"
-            )
-        for name, arr in (("X", X), ("y", y), ("sample_weight", w)):
-            if arr is None:
-                continue
-            if not isinstance(arr, np.ndarray):
-                raise ValidationError(
-                    "the GPU engine takes NumPy or CUDA arrays (validate the batch first)"
-                )
-            if arr.dtype != self._dtype:
-                raise ValidationError(
-                    f"{name} has dtype {arr.dtype}, the engine computes in {self._dtype}"
-                )
-        check_shapes(X, y, w, None)
-        return X, y, w
+        return check_host_batch(X, y, w, self._dtype, None)
 
     def _accept_device(self, X: Any, y: Any, w: Any | None) -> tuple[Any, Any, Any | None]:
-        cp = self._cp
-        if not (is_cuda(y) and (w is None or is_cuda(w))):
-            raise ValidationError(
-                "X, y and sample_weight must all be on the host or all on the device"
-            )
-        self._caller_ready.record(cp.cuda.get_current_stream())
-        with self.stream:
-            dev, dt = self._device_id, self._dtype
-            Xd = as_device_array(cp, X, "X", dev, dt, 2)
-            yd = as_device_array(cp, y, "y", dev, dt, 1)
-            wd = None if w is None else as_device_array(cp, w, "sample_weight", dev, dt, 1)
-        check_shapes(Xd, yd, wd, None)
-        self.stream.wait_event(self._caller_ready)
-        return Xd, yd, wd
+        return accept_device_batch(
+            self._cp,
+            X,
+            y,
+            w,
+            self._device_id,
+            self._dtype,
+            self.stream,
+            self._caller_ready,
+            None,
+        )
 
     @property
     def ready(self) -> Any:

@@ -64,6 +64,66 @@ def check_shapes(X: Any, y: Any, w: Any | None, n_features: int | None) -> None:
         raise ValidationError(f"y and sample_weight must have shape ({n},)")
 
 
+def check_host_batch(
+    X: Any, y: Any, w: Any | None, dtype: np.dtype, n_features: int | None
+) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+    """Structural checks of a host batch for an engine of ``dtype``; values are checked later.
+
+    Raises
+    ------
+    ValidationError
+        For arrays on the device beside host ones, arrays that are not
+        NumPy's, another dtype, or shapes that disagree.
+    """
+    arrays = (X, y) if w is None else (X, y, w)
+    if any(is_cuda(a) for a in arrays):
+        raise ValidationError(_MIXED)
+    if not all(isinstance(a, np.ndarray) for a in arrays):
+        raise ValidationError(
+            "the GPU engine takes NumPy or CUDA arrays (validate the batch first)"
+        )
+    for name, arr in (("X", X), ("y", y), ("sample_weight", w)):
+        if arr is not None and arr.dtype != dtype:
+            raise ValidationError(f"{name} has dtype {arr.dtype}, the engine computes in {dtype}")
+    check_shapes(X, y, w, n_features)
+    return X, y, w
+
+
+def accept_device_batch(
+    cp: ModuleType,
+    X: Any,
+    y: Any,
+    w: Any | None,
+    device_id: int,
+    dtype: np.dtype,
+    stream: Any,
+    caller_ready: Any,
+    n_features: int | None,
+) -> tuple[Any, Any, Any | None]:
+    """Zero-copy views of a device batch, ``stream`` ordered after the caller's current one.
+
+    ``caller_ready`` is an event of the caller's (recorded here). The views
+    are made with ``stream`` current, so that DLPack producers order their
+    pending work before it.
+
+    Raises
+    ------
+    ValidationError
+        For host arrays beside device ones, or arrays of another device,
+        dtype, layout or shape (:func:`~.transfer.as_device_array`).
+    """
+    if not (is_cuda(y) and (w is None or is_cuda(w))):
+        raise ValidationError(_MIXED)
+    caller_ready.record(cp.cuda.get_current_stream())
+    with stream:
+        Xd = as_device_array(cp, X, "X", device_id, dtype, 2)
+        yd = as_device_array(cp, y, "y", device_id, dtype, 1)
+        wd = None if w is None else as_device_array(cp, w, "sample_weight", device_id, dtype, 1)
+    check_shapes(Xd, yd, wd, n_features)
+    stream.wait_event(caller_ready)
+    return Xd, yd, wd
+
+
 class BatchInputs:
     """Turns a caller's batch into device arrays the engine's stream may read.
 
@@ -143,34 +203,20 @@ class BatchInputs:
         self, X: Any, y: Any, w: Any | None, n_features: int | None
     ) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
         """Structural checks of a host batch; values are checked on the device."""
-        arrays = (X, y) if w is None else (X, y, w)
-        if any(is_cuda(a) for a in arrays):
-            raise ValidationError(_MIXED)
-        if not all(isinstance(a, np.ndarray) for a in arrays):
-            raise ValidationError(
-                "the GPU engine takes NumPy or CUDA arrays (validate the batch first)"
-            )
-        for name, arr in (("X", X), ("y", y), ("sample_weight", w)):
-            if arr is not None and arr.dtype != self._dtype:
-                raise ValidationError(
-                    f"{name} has dtype {arr.dtype}, the engine computes in {self._dtype}"
-                )
-        check_shapes(X, y, w, n_features)
-        return X, y, w
+        return check_host_batch(X, y, w, self._dtype, n_features)
 
     def _accept_device(
         self, X: Any, y: Any, w: Any | None, n_features: int | None
     ) -> tuple[Any, Any, Any | None]:
         """Zero-copy views of device inputs, ordered after the caller's stream."""
-        cp = self._cp
-        if not (is_cuda(y) and (w is None or is_cuda(w))):
-            raise ValidationError(_MIXED)
-        self._caller_ready.record(cp.cuda.get_current_stream())
-        with self._stream:
-            dev, dt = self._device_id, self._dtype
-            Xd = as_device_array(cp, X, "X", dev, dt, 2)
-            yd = as_device_array(cp, y, "y", dev, dt, 1)
-            wd = None if w is None else as_device_array(cp, w, "sample_weight", dev, dt, 1)
-        check_shapes(Xd, yd, wd, n_features)
-        self._stream.wait_event(self._caller_ready)
-        return Xd, yd, wd
+        return accept_device_batch(
+            self._cp,
+            X,
+            y,
+            w,
+            self._device_id,
+            self._dtype,
+            self._stream,
+            self._caller_ready,
+            n_features,
+        )

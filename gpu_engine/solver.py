@@ -164,44 +164,12 @@ class DenseSolver:
         Zᵀ(wψ) in the last.
         """
         cb = self._cublas
-        status = self._gemm(
-            self.blas,
-            cb.CUBLAS_OP_N,
-            cb.CUBLAS_OP_T,
-            p,
-            p + 1,
-            n,
-            self._one.ctypes.data,
-            Z.data.ptr,
-            ldz,
-            M.data.ptr,
-            ldm,
-            self._zero.ctypes.data,
-            C.data.ptr,
-            p,
-        )
-        _check(status, "cuBLAS gemm")
+        self._product(cb.CUBLAS_OP_N, cb.CUBLAS_OP_T, p, p + 1, n, Z, ldz, M, ldm, False, C, p)
 
     def matvec(self, Z: Any, ldz: int, v: Any, out: Any, n: int, p: int) -> None:
         """``out[:n]`` = Z v over the first n rows of the row-major n×ldz ``Z``, one GEMM."""
         cb = self._cublas
-        status = self._gemm(
-            self.blas,
-            cb.CUBLAS_OP_T,
-            cb.CUBLAS_OP_N,
-            n,
-            1,
-            p,
-            self._one.ctypes.data,
-            Z.data.ptr,
-            ldz,
-            v.data.ptr,
-            p,
-            self._zero.ctypes.data,
-            out.data.ptr,
-            n,
-        )
-        _check(status, "cuBLAS gemm")
+        self._product(cb.CUBLAS_OP_T, cb.CUBLAS_OP_N, n, 1, p, Z, ldz, v, p, False, out, n)
 
     def gram(self, S: Any, lds: int, out: Any, n: int, p: int, accumulate: bool = False) -> None:
         """``out`` (p × p) = Sᵀ S over the first n rows and p columns of ``S`` (or ``+=`` it).
@@ -212,21 +180,39 @@ class DenseSolver:
         and so other bits, than it picks for a stream running alone.
         """
         cb = self._cublas
+        self._product(cb.CUBLAS_OP_N, cb.CUBLAS_OP_T, p, p, n, S, lds, S, lds, accumulate, out, p)
+
+    def _product(
+        self,
+        op_a: int,
+        op_b: int,
+        m: int,
+        n: int,
+        k: int,
+        A: Any,
+        lda: int,
+        B: Any,
+        ldb: int,
+        accumulate: bool,
+        C: Any,
+        ldc: int,
+    ) -> None:
+        """One column-major ``gemm`` on the engine's handle: C = op(A) op(B) (+ C)."""
         status = self._gemm(
             self.blas,
-            cb.CUBLAS_OP_N,
-            cb.CUBLAS_OP_T,
-            p,
-            p,
+            op_a,
+            op_b,
+            m,
             n,
+            k,
             self._one.ctypes.data,
-            S.data.ptr,
-            lds,
-            S.data.ptr,
-            lds,
+            A.data.ptr,
+            lda,
+            B.data.ptr,
+            ldb,
             (self._one if accumulate else self._zero).ctypes.data,
-            out.data.ptr,
-            p,
+            C.data.ptr,
+            ldc,
         )
         _check(status, "cuBLAS gemm")
 
