@@ -156,10 +156,12 @@ def test_an_engine_refusal_rolls_every_actor_back(stream, monkeypatch):
     local = RenewableHuberGridRegressor(taus=TAUS, engine="numpy", walk="local").fit(*good)
     original = GridEngine.partial_fit
 
-    def refuse_chunk_3_for_the_last_share(self, X, y, sample_weight=None, *, chunk=0):
+    def refuse_chunk_3_for_the_last_share(
+        self, X, y, sample_weight=None, *, chunk=0, upcoming=None
+    ):
         if chunk == 3 and self.configs[-1].tau == TAUS[-1]:
             raise ValidationError("refused for the test")
-        return original(self, X, y, sample_weight, chunk=chunk)
+        return original(self, X, y, sample_weight, chunk=chunk, upcoming=upcoming)
 
     monkeypatch.setattr(GridEngine, "partial_fit", refuse_chunk_3_for_the_last_share)
     with _cluster(3) as cluster, Client(cluster):
@@ -264,10 +266,10 @@ def test_an_actor_failure_names_its_worker_and_keeps_the_model(stream, monkeypat
     Xd, yd, wd = _dask(*stream)
     original = GridEngine.partial_fit
 
-    def fault_on_chunk_2(self, X, y, sample_weight=None, *, chunk=0):
+    def fault_on_chunk_2(self, X, y, sample_weight=None, *, chunk=0, upcoming=None):
         if chunk == 2 and self.configs[0].tau == TAUS[0]:
             raise RuntimeError("device fault")
-        return original(self, X, y, sample_weight, chunk=chunk)
+        return original(self, X, y, sample_weight, chunk=chunk, upcoming=upcoming)
 
     monkeypatch.setattr(GridEngine, "partial_fit", fault_on_chunk_2)
     with _cluster(2) as cluster, Client(cluster):
