@@ -10,20 +10,13 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from devices import gpu_usable
 
 cp = pytest.importorskip("cupy", reason="the GPU engine needs CuPy")
 
-
-def _device_count() -> int:
-    try:
-        return int(cp.cuda.runtime.getDeviceCount())
-    except Exception:
-        return 0
-
-
 pytestmark = [
     pytest.mark.gpu,
-    pytest.mark.skipif(_device_count() == 0, reason="no CUDA device visible to CuPy"),
+    pytest.mark.skipif(not gpu_usable(), reason="no CUDA device visible to CuPy"),
 ]
 
 from rh_dask import HuberConfig, make_engine  # noqa: E402

@@ -23,9 +23,9 @@ thus ranks the configurations, on rows none of them has seen yet.
   configuration (:mod:`gpu_engine.grid`).
 * GPU engines consume each batch side by side (``concurrent``, by default
   ``rh-dask.grid.concurrent``): their steps are interleaved on one thread
-  (:mod:`rh_dask.engines.lockstep`), each engine on its own CUDA stream,
-  and the host waits for all of them once per Newton iteration instead of
-  once per engine, so that one engine's work overlaps the others'. Each
+  (:mod:`rh_dask.engines.lockstep`), each engine on its own CUDA stream
+  and resumed as soon as its stream is done, so that one engine's device
+  work overlaps the others' and the host's. Each
   engine still runs exactly its single fit's kernels in its single fit's
   order, so the bits do not change. NumPy engines always run one after the
   other (their BLAS calls already use the cores).
