@@ -52,6 +52,8 @@ from .host_pool import (
 #: Rows of one staging chunk are sized to about this many bytes.
 CHUNK_BYTES = 4 << 20
 _MEMORY_TYPE_HOST = 1  # cudaMemoryTypeHost
+#: cudaHostRegisterPortable (CuPy's runtime module names no register flags).
+_HOST_REGISTER_PORTABLE = 1
 
 
 def as_device_array(
@@ -335,6 +337,22 @@ class PinnedPool:
         self.allocated_bytes -= buffer.nbytes
         return buffer.free
 
+    def register(self, address: int, nbytes: int) -> HostRegistration:
+        """Page-lock ``nbytes`` of existing host memory at ``address`` for this device.
+
+        Batches viewing that memory then reach the device by DMA straight
+        from it (the engine's stager sees it as pinned), with no copy into
+        this pool. The memory must stay mapped until the registration is
+        closed. See :class:`HostRegistration`.
+
+        Raises
+        ------
+        RuntimeError
+            When CUDA refuses to lock the memory (out of lockable memory, a
+            mapping it cannot lock).
+        """
+        return HostRegistration(self._cp, self._device_id, address, nbytes)
+
     def close(self) -> None:
         """Free idle buffers now; leased ones are freed when their batches die."""
         with self._lock:
@@ -343,6 +361,64 @@ class PinnedPool:
         for buffer in idle:
             self.allocated_bytes -= buffer.nbytes
             buffer.free()
+
+
+class HostRegistration:
+    """Existing host memory page-locked for one device (``cudaHostRegister``).
+
+    Parameters
+    ----------
+    cp : module
+        CuPy.
+    device_id : int
+        The device whose context registers the memory.
+    address, nbytes : int
+        The memory (a mapping its owner keeps alive until :meth:`close`).
+
+    Raises
+    ------
+    RuntimeError
+        When CUDA refuses to lock it.
+
+    Notes
+    -----
+    :meth:`close` waits for the whole device before it unlocks the memory,
+    so no copy queued from it by any stream is still reading it.
+    """
+
+    def __init__(self, cp: ModuleType, device_id: int, address: int, nbytes: int) -> None:
+        self._cp = cp
+        self._device_id = device_id
+        self.address = int(address)
+        self.nbytes = int(nbytes)
+        rt = cp.cuda.runtime
+        try:
+            with cp.cuda.Device(device_id):
+                rt.hostRegister(self.address, self.nbytes, _HOST_REGISTER_PORTABLE)
+        except Exception as exc:
+            raise RuntimeError(
+                f"cannot page-lock {self.nbytes / 2**20:.0f} MiB of host memory: {exc}"
+            ) from exc
+        self._lock = threading.Lock()
+        self._open = True
+
+    def covers(self, arr: np.ndarray | None) -> bool:
+        """Whether the bytes of ``arr`` (``None``: nothing to cover) lie in this memory."""
+        if arr is None or arr.size == 0:
+            return True
+        start = arr.ctypes.data
+        return self.address <= start and start + arr.nbytes <= self.address + self.nbytes
+
+    def close(self) -> None:
+        """Wait for the device, then unlock the memory; idempotent."""
+        with self._lock:
+            if not self._open:
+                return
+            self._open = False
+        cp = self._cp
+        with cp.cuda.Device(self._device_id):
+            cp.cuda.Device(self._device_id).synchronize()
+            cp.cuda.runtime.hostUnregister(self.address)
 
 
 class _Slot:

@@ -345,6 +345,10 @@ class Settings:
         ``"dask"``: as task results over Dask's comm; ``"auto"``: ``"tcp"``
         unless Dask's comm must be encrypted
         (``distributed.comm.require-encryption``, a ``tls://`` scheduler).
+    relay_pin_ring : bool
+        ``rh-dask.relay.pin-ring``: a GPU engine's process page-locks the
+        ring so that the engine copies chunks to its device straight from
+        their slots (no host copy in its process).
     auto_calibrate : bool
         ``rh-dask.engine.auto.calibrate``: ``engine="auto"`` times NumPy
         against the GPU on the first batch's shape (off: NumPy unless a CUDA
@@ -393,6 +397,7 @@ class Settings:
     relay_slot_bytes: int = 0
     relay_heap_for_chunks: bool = False
     relay_transport: str = "auto"
+    relay_pin_ring: bool = True
     auto_calibrate: bool = True
     auto_probe_rows: int = 131_072
     auto_rounds: int = 3
@@ -467,6 +472,7 @@ _KEYS: dict[str, tuple[str, Callable[[str, Any], Any]]] = {
     "relay_slot_bytes": ("rh-dask.relay.slot-bytes", _size_or_auto),
     "relay_heap_for_chunks": ("rh-dask.relay.heap-for-chunks", _flag),
     "relay_transport": ("rh-dask.relay.transport", _transport),
+    "relay_pin_ring": ("rh-dask.relay.pin-ring", _flag),
     "auto_calibrate": ("rh-dask.engine.auto.calibrate", _flag),
     "auto_probe_rows": ("rh-dask.engine.auto.probe-rows", _count),
     "auto_rounds": ("rh-dask.engine.auto.rounds", _count),

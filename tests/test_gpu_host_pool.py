@@ -221,3 +221,48 @@ def test_a_zero_bound_keeps_no_idle_memory():
     assert stats["idle_bytes"] == 0 and stats["frees"] == frees + 2
     GpuEngine(HuberConfig(dtype="float32"), pinned_idle_bytes=IDLE).close()  # restore
     assert pool.max_idle_bytes == IDLE
+
+
+@pytest.mark.parametrize("feed", ["loop", "stream"])
+def test_a_registered_shared_memory_ring_is_copied_from_in_place(feed):
+    """Chunks in a page-locked ring (the relay path) fit to the bits of pageable copies.
+
+    The ring is made where relays make it (``/dev/shm``): CUDA locks its
+    sparse pages (a slot gets its memory at its first write) but refuses
+    mappings of disk files.
+    """
+    from gpu_engine.transfer import is_pinned
+    from rh_dask.distributed.ring import ChunkRing, RingWriter, default_directory
+
+    batches = _stream(20, [3000, 2500, 3000, 1700], "float32", seed=7, weights=True)
+    ring = ChunkRing.create(default_directory(), n_slots=2, slot_bytes=1 << 20)
+    writer = RingWriter.attach(ring.spec)
+    engine = GpuEngine(HuberConfig(dtype="float32"))
+    reference = GpuEngine(HuberConfig(dtype="float32"))
+    try:
+        registration = engine.pinned_pool.register(*ring.address_range())
+        views = []
+        for i, (X, y, w) in enumerate(batches[:2]):
+            views.append(ring.parts(writer.write(i, [X, y, w])))
+        assert all(is_pinned(cp, a) for v in views for a in v)
+        assert all(registration.covers(a) for v in views for a in v)
+        _run(engine, [tuple(v) for v in views], stream=feed == "stream")
+        del views
+        for i in (0, 1):
+            ring.release(i)
+        views = [ring.parts(writer.write(i + 2, list(b))) for i, b in enumerate(batches[2:])]
+        _run(engine, [tuple(v) for v in views], stream=feed == "stream")
+        copies = [tuple(None if a is None else np.array(a) for a in b) for b in batches]
+        _run(reference, copies)
+        got, want = engine.export_state(), reference.export_state()
+        assert got.coefficients.tobytes() == want.coefficients.tobytes()
+        assert got.information.tobytes() == want.information.tobytes()
+        registration.close()
+        registration.close()
+        assert not is_pinned(cp, views[0][0])
+        del views
+    finally:
+        engine.close()
+        reference.close()
+        writer.close()
+        ring.close()

@@ -295,6 +295,46 @@ def test_a_full_directory_fails_at_create_and_leaves_no_file(tmp_path, monkeypat
     assert _names(tmp_path) == []
 
 
+def test_a_directory_without_room_for_the_whole_ring_refuses_it(tmp_path, monkeypatch):
+    real = os.statvfs(str(tmp_path))
+
+    class _Full:
+        f_frsize = real.f_frsize
+        f_bavail = (100 << 20) // real.f_frsize  # 100 MiB free
+
+    monkeypatch.setattr(os, "statvfs", lambda path: _Full())
+    with pytest.raises(RingError, match=r"256 MiB .* 100 MiB free"):
+        ChunkRing.create(str(tmp_path), n_slots=4, slot_bytes=64 << 20)
+    assert _names(tmp_path) == []
+    ChunkRing.create(str(tmp_path), n_slots=1, slot_bytes=64 << 20).close()
+
+
+def test_slots_get_their_memory_at_their_first_write(tmp_path, monkeypatch):
+    r = ChunkRing.create(str(tmp_path), n_slots=2, slot_bytes=1 << 20)
+    w = RingWriter.attach(r.spec)
+    try:
+        st = os.stat(r.spec.path)
+        assert st.st_size == r.spec.size and st.st_blocks * 512 < (1 << 20)  # sparse
+        X, y, _ = _chunk(1_000, 8, "float64", weights=False)
+        note = w.write(0, [X, y, None])
+        assert os.stat(r.spec.path).st_blocks * 512 >= (1 << 20)  # slot 0 backed
+        _same(r.parts(note)[0], X)
+        # A full directory fails the first write of a slot with an error, not SIGBUS,
+        # and the slot stays free for that chunk.
+        monkeypatch.setattr(os, "posix_fallocate", _no_space, raising=False)
+        with pytest.raises(RingError, match="cannot allocate slot 1"):
+            w.write(1, [X, y, None])
+        r.release(0)  # slot 0 is backed already: chunk 2 goes in with no allocation
+        _same(r.parts(w.write(2, [X[:7], y[:7], None]))[0], X[:7])
+        monkeypatch.undo()
+        note = w.write(1, [X[:5], y[:5], None])
+        assert note.slot == 1
+        _same(r.parts(note)[0], X[:5])
+    finally:
+        w.close()
+        r.close()
+
+
 def test_a_full_directory_fails_an_overflow_write_and_leaves_no_file(tmp_path, monkeypatch):
     r = ChunkRing.create(str(tmp_path), n_slots=1, slot_bytes=4096)
     w = RingWriter.attach(r.spec)

@@ -53,6 +53,7 @@ from .items import ChunkItem, LoadedChunk
 from .loading import assemble_chunk
 from .relay import RelayReceiver
 from .ring import ChunkRing, RingSpec, default_directory
+from .ring_pinning import RingPinning
 
 logger = logging.getLogger(__name__)
 
@@ -117,6 +118,7 @@ class EngineActor:
         self._closed = False
         self._feeder: ChunkFeeder | None = None
         self._relay: tuple[ChunkRing, RelayReceiver] | None = None
+        self._ring_pin: RingPinning | None = None
 
     def _key(self, engine: str) -> tuple[Any, ...]:
         """The shelf key of this actor's engine when it is ``engine``."""
@@ -215,6 +217,9 @@ class EngineActor:
             raise
         receiver.start()
         self._relay = (ring, receiver)
+        if self.settings.relay_pin_ring:
+            self._ring_pin = RingPinning(ring)
+            self._ring_pin.start(self._pool)  # with engine="auto": at the first chunk
         return ring.spec
 
     def seal_relay(self) -> int:
@@ -228,7 +233,12 @@ class EngineActor:
     def _relayed(self, stream_id: str, ring: ChunkRing, item: ChunkItem) -> None:
         """A chunk a relay put in the ring: staged, delivered, its slot freed once consumed."""
         index = item.index
-        self._consumer.deliver(stream_id, self._pinned(item))
+        pin = self._ring_pin
+        if pin is not None:
+            pin.start(self._pool)
+        if pin is None or not pin.holds(item):
+            item = self._pinned(item)
+        self._consumer.deliver(stream_id, item)
         # The slot may take a later chunk once the engine is done with this
         # one (or the stream stopped); the pinned copy, if made, needs it no more.
         self._consumer.add_waiter(index + 1, lambda: ring.release(index))
@@ -236,9 +246,14 @@ class EngineActor:
     def _close_relay(self) -> None:
         if self._relay is not None:
             ring, receiver = self._relay
+            pin, self._ring_pin = self._ring_pin, None
             self._relay = None
             receiver.close()
-            ring.close()
+            try:
+                if pin is not None:
+                    pin.close()  # before the ring is unmapped
+            finally:
+                ring.close()
 
     def end(self, stream_id: str, n_records: int = 0) -> tuple[HuberState | None, Progress]:
         """Stop the stream; the state after the last consumed chunk and the final progress."""

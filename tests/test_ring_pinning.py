@@ -1,0 +1,207 @@
+"""Page-locking the relay ring in the engine's process, with a stand-in for CUDA.
+
+The GPU side (``PinnedPool.register``, ``cudaHostRegister``) is tested on the
+device in ``tests/test_gpu_host_pool.py``; here a fake pool records what
+would be locked, so the rules run on any machine: which chunks skip the
+pinned pool's copy, when locking starts, and that the ring is unlocked
+before it is unmapped.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+
+from rh_dask.distributed.items import EmptyChunk, LoadedChunk
+from rh_dask.distributed.ring import ChunkRing, RingWriter
+from rh_dask.distributed.ring_pinning import RingPinning
+
+pytestmark = pytest.mark.timeout(60)
+
+
+class _Registration:
+    def __init__(self, address: int, nbytes: int, log: list) -> None:
+        self.address, self.nbytes, self._log = address, nbytes, log
+
+    def covers(self, arr) -> bool:
+        if arr is None or arr.size == 0:
+            return True
+        start = arr.ctypes.data
+        return self.address <= start and start + arr.nbytes <= self.address + self.nbytes
+
+    def close(self) -> None:
+        self._log.append("unregister")
+
+
+class _Pool:
+    def __init__(self, fail: bool = False, gate: threading.Event | None = None) -> None:
+        self.log: list = []
+        self.fail = fail
+        self.gate = gate
+        self.copied: list[int] = []
+
+    def register(self, address: int, nbytes: int) -> _Registration:
+        if self.gate is not None:
+            self.gate.wait(10)
+        if self.fail:
+            raise RuntimeError("cudaErrorHostMemoryAlreadyRegistered")
+        self.log.append(("register", address, nbytes))
+        return _Registration(address, nbytes, self.log)
+
+    def copy_batch(self, X, y, w, wait=True):
+        self.copied.append(int(X.shape[0]))
+        return X.copy(), y.copy(), None if w is None else w.copy()
+
+
+def _ring_chunk(ring: ChunkRing, writer: RingWriter, index: int, rows: int = 64) -> LoadedChunk:
+    rng = np.random.default_rng(index)
+    X = rng.normal(size=(rows, 5)).astype("float32")
+    arrays = [X, rng.normal(size=rows).astype("float32")]
+    note = writer.write(index, [*arrays, None])
+    X, y, w = ring.parts(note)
+    np.testing.assert_array_equal(X, arrays[0])
+    return LoadedChunk(index, X, y, w)
+
+
+@pytest.fixture
+def made(tmp_path):
+    ring = ChunkRing.create(str(tmp_path), n_slots=2, slot_bytes=1 << 16)
+    writer = RingWriter.attach(ring.spec)
+    yield ring, writer
+    writer.close()
+    ring.close()
+
+
+def test_chunks_in_the_locked_ring_need_no_copy_and_others_do(made):
+    ring, writer = made
+    pin = RingPinning(ring)
+    item = _ring_chunk(ring, writer, 0)
+    assert not pin.holds(item)  # not started: no pool yet (engine="auto" before its first chunk)
+    pin.start(None)
+    assert not pin.holds(item)
+    pool = _Pool()
+    pin.start(pool)
+    pin.start(pool)  # once only
+    pin._done.wait(10)
+    assert pin.locked and pin.error is None
+    address, nbytes = ring.address_range()
+    slots = ring.slot_ranges()
+    assert pool.log == [("register", a, n) for a, n in slots]  # one slot at a time
+    assert len(slots) == 2 and all(n == ring.spec.slot_bytes for _, n in slots)
+    assert address < slots[0][0] and slots[1][0] + slots[1][1] <= address + nbytes
+    assert pin.holds(item)
+    elsewhere = LoadedChunk(1, np.ones((4, 5), "float32"), np.ones(4, "float32"), None)
+    assert not pin.holds(elsewhere)
+    half = LoadedChunk(2, item.X, np.ones(64, "float32"), None)  # y outside the ring
+    assert not pin.holds(half)
+    assert not pin.holds(EmptyChunk(3))
+    pin.close()
+    pin.close()
+    assert pool.log[-2:] == ["unregister"] * 2 and pool.log.count("unregister") == 2
+    assert not pin.holds(item)
+
+
+def test_a_chunk_in_a_file_of_its_own_is_not_held(tmp_path):
+    ring = ChunkRing.create(str(tmp_path), n_slots=2, slot_bytes=4096)
+    writer = RingWriter.attach(ring.spec)
+    try:
+        pin = RingPinning(ring)
+        pin.start(_Pool())
+        pin._done.wait(10)
+        big = _ring_chunk(ring, writer, 0, rows=1024)  # 24 kB: larger than a slot
+        assert pin.locked and not pin.holds(big)
+        del big
+        pin.close()
+    finally:
+        writer.close()
+        ring.close()
+
+
+def test_a_ring_that_cannot_be_locked_keeps_copying(made, caplog):
+    ring, writer = made
+    pin = RingPinning(ring)
+    pin.start(_Pool(fail=True))
+    pin._done.wait(10)
+    assert not pin.locked and "AlreadyRegistered" in pin.error and not pin._registrations
+    assert not pin.holds(_ring_chunk(ring, writer, 0))
+    assert "stays (partly) pageable" in caplog.text
+    pin.close()
+
+
+def test_slots_locked_before_a_failure_stay_locked_and_are_unlocked_at_close(made):
+    ring, writer = made
+    pool = _Pool()
+    real = pool.register
+
+    def second_fails(address, nbytes):
+        if pool.log:
+            raise RuntimeError("out of lockable memory")
+        return real(address, nbytes)
+
+    pool.register = second_fails
+    pin = RingPinning(ring)
+    pin.start(pool)
+    pin._done.wait(10)
+    assert not pin.locked and "lockable" in pin.error
+    first, second = _ring_chunk(ring, writer, 0), _ring_chunk(ring, writer, 1)
+    assert pin.holds(first) and not pin.holds(second)
+    del first, second
+    pin.close()
+    assert pool.log[-1] == "unregister" and pool.log.count("unregister") == 1
+
+
+def test_close_waits_for_the_locking_then_unlocks(made):
+    ring, _ = made
+    gate = threading.Event()
+    pool = _Pool(gate=gate)
+    pin = RingPinning(ring)
+    pin.start(pool)
+    closer = threading.Thread(target=pin.close)
+    closer.start()
+    closer.join(0.2)
+    assert closer.is_alive()  # still locking
+    gate.set()
+    closer.join(10)
+    assert not closer.is_alive()
+    # Closed while the first slot was locking: the second is never locked.
+    assert [e if isinstance(e, str) else e[0] for e in pool.log] == ["register", "unregister"]
+    pin.start(pool)  # closed: never starts again
+    assert [e if isinstance(e, str) else e[0] for e in pool.log] == ["register", "unregister"]
+
+
+@pytest.mark.parametrize("pin_ring", [True, False])
+def test_the_actor_skips_the_pinned_copy_for_chunks_in_a_locked_ring(tmp_path, pin_ring):
+    from rh_dask.config import HuberConfig
+    from rh_dask.distributed.actor import EngineActor
+    from rh_dask.settings import Settings
+
+    settings = Settings(relay_directory=str(tmp_path), relay_pin_ring=pin_ring)
+    actor = EngineActor("numpy", HuberConfig(), settings=settings)
+    pool = _Pool()
+    actor._pool = pool
+    delivered: list = []
+    actor._consumer.deliver = lambda stream_id, item: delivered.append(item) or True
+    actor._consumer.add_waiter = lambda *a, **k: lambda: None
+    try:
+        spec = actor.open_relay("s", 0, 2, 1 << 16)
+        ring, _ = actor._relay
+        if pin_ring:
+            actor._ring_pin._done.wait(10)
+        writer = RingWriter.attach(spec)
+        try:
+            item = _ring_chunk(ring, writer, 0)
+            actor._relayed("s", ring, item)
+            assert (delivered[-1] is item) == pin_ring
+            assert pool.copied == ([] if pin_ring else [64])
+            outside = LoadedChunk(1, np.ones((8, 5), "float32"), np.ones(8, "float32"), None)
+            actor._relayed("s", ring, outside)
+            assert pool.copied[-1] == 8  # not in the ring: copied as before
+        finally:
+            writer.close()
+        del item, delivered[:]
+        actor._close_relay()
+        assert ("unregister" in pool.log) == pin_ring
+    finally:
+        actor.close()
