@@ -10,6 +10,8 @@
 #   bash benchmarks/device_pending.sh wide    # grid kernels of wide designs, against the peer
 #   bash benchmarks/device_pending.sh sweep   # issue 16's judged sweep (all engines, auto, cold)
 #   bash benchmarks/device_pending.sh numpy   # NumPy engine's BLAS threads on 16 cores vs the peer
+#   bash benchmarks/device_pending.sh scale   # issue 14: the cheap source, N = 1-8, ring locked or not
+#   bash benchmarks/device_pending.sh formats # issue 14: Parquet and Zarr, N = 2, 4, 8
 #
 # Each part stays under one device call's 10 minutes. What to look for is in each
 # part's comment; a part that passes is the evidence for an option's default
@@ -78,8 +80,24 @@ numpy)
     python benchmarks/numpy_engine.py --repeats 2 --threads auto 1 2 4 --opponent \
         --output "$out/numpy_engine-h200-threads.json" 2>&1 | tail -17
     ;;
+scale)
+    # With the untimed whole warm-up per cluster: relay (ring locked) against relay-copy at
+    # every N, three timed fits each; the engine seconds of relay well below relay-copy's,
+    # coefficients bit-identical; target 18 M rows/s at N = 4 (docs/performance.md, Scale-out).
+    timeout 560 python benchmarks/scale_out.py --engine gpu --sources pread --loaders 1,2,4,8 \
+        --compare relay,relay-copy --repeats 3 --skip comm,relay-ceiling \
+        --output "$out/scale_out-pread.json" 2>&1 | grep -E "^N=|floor|n4"
+    ;;
+formats)
+    # Parquet and Zarr on an 8.4M-row prefix (32 chunks), where sending is a tenth of
+    # decoding: target ratio >= 1 at every N (the dataset writes take about a minute).
+    # Zarr needs its wheels carried too: ../shared/tools/device-wheels.sh zarr
+    timeout 560 python benchmarks/scale_out.py --engine gpu --sources parquet,zarr \
+        --fit-rows 8388608 --loaders 2,4,8 --compare relay --repeats 2 \
+        --skip comm,relay-ceiling --output "$out/scale_out-formats.json" 2>&1 | grep -E "^N=|floor"
+    ;;
 *)
-    echo "usage: $0 tests|pool|loop|wide|sweep|numpy" >&2
+    echo "usage: $0 tests|pool|loop|wide|sweep|numpy|scale|formats" >&2
     exit 2
     ;;
 esac
