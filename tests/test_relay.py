@@ -374,6 +374,32 @@ def test_a_failing_load_names_the_chunk(client, ring_dir, snapshot, assert_uncha
     assert _left(ring_dir) == []
 
 
+@pytest.mark.parametrize("transport", ["tcp", "dask"])
+def test_a_full_ring_directory_at_a_slots_first_write_stops_the_fit_there(
+    client, ring_dir, snapshot, assert_unchanged, monkeypatch, transport
+):
+    # Slots get their memory at their first write: the directory fills up after two.
+    X, y, _ = _data(n=3_000, seed=14)
+    slot_bytes = -(-(500 * (5 + 2) * 8 + 3 * 64) // 4096) * 4096
+    real = os.posix_fallocate
+
+    def fallocate(fd, offset, length):
+        if offset >= 4096 + 2 * slot_bytes:
+            raise OSError(28, "No space left on device")
+        return real(fd, offset, length)
+
+    monkeypatch.setattr(os, "posix_fallocate", fallocate)
+    model = RenewableHuberRegressor(loader="relay", progress=False)
+    with (
+        dask.config.set({"rh-dask.relay.transport": transport}),
+        pytest.raises(StreamError, match=r"chunk 2 .*cannot allocate slot 2") as info,
+    ):
+        model.fit(da.from_array(X, chunks=(500, 5)), da.from_array(y, chunks=500))
+    assert info.value.chunk_index == 2
+    _same(model, _loop(_row_blocks(X, y, None, [500] * 2)), assert_unchanged, snapshot)
+    assert _left(ring_dir) == []
+
+
 def test_a_refused_fit_keeps_the_fitted_model(client, ring_dir, snapshot, assert_unchanged):
     X, y, _ = _data(n=2_000, seed=12)
     model = RenewableHuberRegressor(loader="relay", progress=False)
