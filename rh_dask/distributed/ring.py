@@ -192,6 +192,13 @@ def _socket_address(ring_id: str) -> str:
     return os.path.join(tempfile.gettempdir(), f"rhd-{ring_id[:16]}.sock")
 
 
+#: What every "no room for the ring" error suggests.
+_ROOM_HINT = (
+    "(make room in that directory, or set rh-dask.relay.directory or a smaller "
+    "lookahead / rh-dask.relay.slot-bytes)"
+)
+
+
 def _allocate(fd: int, size: int, path: str, whole: int | None = None) -> None:
     """Give the file's first ``size`` bytes backing now (ENOSPC here, not SIGBUS later).
 
@@ -207,8 +214,7 @@ def _allocate(fd: int, size: int, path: str, whole: int | None = None) -> None:
         named = size if whole is None else whole
         raise RingError(
             f"cannot allocate {named / 2**20:.0f} MiB for the chunk ring {path!r}: {exc} "
-            "(make room in that directory, or set rh-dask.relay.directory or a smaller "
-            "lookahead / rh-dask.relay.slot-bytes)"
+            f"{_ROOM_HINT}"
         ) from exc
 
 
@@ -222,8 +228,7 @@ def _check_room(directory: str, size: int, path: str) -> None:
     if free < size:
         raise RingError(
             f"cannot allocate {size / 2**20:.0f} MiB for the chunk ring {path!r}: "
-            f"{free / 2**20:.0f} MiB free there (make room in that directory, or set "
-            "rh-dask.relay.directory or a smaller lookahead / rh-dask.relay.slot-bytes)"
+            f"{free / 2**20:.0f} MiB free there {_ROOM_HINT}"
         )
 
 
@@ -309,8 +314,7 @@ class _Mapped:
             except OSError as exc:
                 raise RingError(
                     f"cannot allocate slot {slot} ({size / 2**20:.0f} MiB) of the chunk ring "
-                    f"{self.spec.path!r}: {exc} (make room in that directory, or set "
-                    "rh-dask.relay.directory or a smaller lookahead / rh-dask.relay.slot-bytes)"
+                    f"{self.spec.path!r}: {exc} {_ROOM_HINT}"
                 ) from exc
         _populate(self.map, base, size)
         self._prepared[slot] = True
