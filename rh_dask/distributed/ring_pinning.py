@@ -10,10 +10,11 @@ page-locks the whole ring instead (through the engine's pinned pool,
 from their slots and the engine's process copies no chunk bytes at all.
 
 Locking a ring of several hundred megabytes takes a noticeable time (0.17-0.28 s
-for 0.8-3 GB on the H200 host), so it runs on a thread of its own as the
-stream starts, one slot at a time: locking holds the process's memory-map
-lock, and the whole ring in one call held up the engine's process (its
-first chunk came 0.45 s later than without locking). Chunks whose slot is
+for 0.8-3 GB in a probe on the H200 host), so it runs on a thread of its own
+as the stream starts, one slot at a time: the whole ring in one call held up
+the engine's process, for a reason not pinned down (the first chunk's load
+started 0.46-0.55 s into the fit against 0.05-0.06 s unlocked,
+``benchmarks/results/scale_out-h200-pread-whole-ring-lock.json``). Chunks whose slot is
 not locked yet take the pinned pool's copy, as do chunks that did not fit a
 slot (they travel in files of their own). A slot is rewritten only after
 the engine has consumed its chunk (:meth:`.ring.ChunkRing.release`), and by
