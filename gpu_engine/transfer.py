@@ -409,15 +409,20 @@ class HostRegistration:
         start = arr.ctypes.data
         return self.address <= start and start + arr.nbytes <= self.address + self.nbytes
 
-    def close(self) -> None:
-        """Wait for the device, then unlock the memory; idempotent."""
+    def close(self, synchronize: bool = True) -> None:
+        """Wait for the device, then unlock the memory; idempotent.
+
+        ``synchronize=False`` skips the wait, for a caller that has just
+        waited for this device itself (closing many registrations at once).
+        """
         with self._lock:
             if not self._open:
                 return
             self._open = False
         cp = self._cp
         with cp.cuda.Device(self._device_id):
-            cp.cuda.Device(self._device_id).synchronize()
+            if synchronize:
+                cp.cuda.Device(self._device_id).synchronize()
             cp.cuda.runtime.hostUnregister(self.address)
 
 

@@ -31,7 +31,9 @@ class _Registration:
         start = arr.ctypes.data
         return self.address <= start and start + arr.nbytes <= self.address + self.nbytes
 
-    def close(self) -> None:
+    def close(self, synchronize: bool = True) -> None:
+        if synchronize:
+            self._log.append("synchronize")
         self._log.append("unregister")
 
 
@@ -99,8 +101,28 @@ def test_chunks_in_the_locked_ring_need_no_copy_and_others_do(made):
     assert not pin.holds(EmptyChunk(3))
     pin.close()
     pin.close()
-    assert pool.log[-2:] == ["unregister"] * 2 and pool.log.count("unregister") == 2
+    # One wait for the device, before the first slot is unlocked, serves both.
+    assert pool.log[-3:] == ["synchronize", "unregister", "unregister"]
+    assert pool.log.count("unregister") == 2 and pool.log.count("synchronize") == 1
     assert not pin.holds(item)
+
+
+def test_a_slot_that_fails_to_unlock_leaves_the_wait_to_the_next(made):
+    ring, _ = made
+    pool = _Pool()
+    pin = RingPinning(ring)
+    pin.start(pool)
+    pin._done.wait(10)
+    first = pin._registrations[0]
+
+    def refuse(synchronize=True):
+        raise RuntimeError("cudaErrorHostMemoryNotRegistered")
+
+    first.close = refuse
+    with pytest.raises(RuntimeError, match="NotRegistered"):
+        pin.close()
+    # The first slot's close failed before its wait: the second still waits.
+    assert pool.log[-2:] == ["synchronize", "unregister"]
 
 
 def test_a_chunk_in_a_file_of_its_own_is_not_held(tmp_path):
@@ -149,7 +171,7 @@ def test_slots_locked_before_a_failure_stay_locked_and_are_unlocked_at_close(mad
     assert pin.holds(first) and not pin.holds(second)
     del first, second
     pin.close()
-    assert pool.log[-1] == "unregister" and pool.log.count("unregister") == 1
+    assert pool.log[-2:] == ["synchronize", "unregister"] and pool.log.count("unregister") == 1
 
 
 def test_close_waits_for_the_locking_then_unlocks(made):
@@ -166,9 +188,10 @@ def test_close_waits_for_the_locking_then_unlocks(made):
     closer.join(10)
     assert not closer.is_alive()
     # Closed while the first slot was locking: the second is never locked.
-    assert [e if isinstance(e, str) else e[0] for e in pool.log] == ["register", "unregister"]
+    steps = ["register", "synchronize", "unregister"]
+    assert [e if isinstance(e, str) else e[0] for e in pool.log] == steps
     pin.start(pool)  # closed: never starts again
-    assert [e if isinstance(e, str) else e[0] for e in pool.log] == ["register", "unregister"]
+    assert [e if isinstance(e, str) else e[0] for e in pool.log] == steps
 
 
 @pytest.mark.parametrize("pin_ring", [True, False])

@@ -111,9 +111,11 @@ class RingPinning:
         with self._lock:
             registrations, self._registrations = self._registrations, []
         errors = []
+        waited = False  # one wait for the device serves every slot after it
         for registration in registrations:
             try:
-                registration.close()
+                registration.close(synchronize=not waited)
+                waited = True
             except Exception as exc:  # unlock the others all the same
                 errors.append(exc)
         if errors:
