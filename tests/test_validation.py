@@ -539,3 +539,55 @@ def test_a_state_for_an_engine_is_a_validated_copy_in_its_dtype():
     state.information[0, 0] = np.nan
     with pytest.raises(ValidationError, match="non-finite"):
         state.for_engine(True, "float64")
+
+
+# -- inputs already of the stream's dtype ------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_frames_and_arrays_of_the_stream_dtype_become_row_major_copies(dtype):
+    rng = np.random.default_rng(5)
+    values = rng.standard_normal((30, 4)).astype(dtype)
+    frame = pd.DataFrame(values.copy(), columns=list("abcd"))  # one column-major block
+    y = np.ones(30, dtype=dtype)
+    for X in (frame, np.asfortranarray(values), values[:, [0, 2, 1, 3]].T.copy().T):
+        batch = validate_batch(X, y, dtype=dtype)
+        assert batch.X.dtype == np.dtype(dtype) and batch.X.flags.c_contiguous
+        np.testing.assert_array_equal(batch.X, np.asarray(X))
+    # The frame's own memory is not handed on (its block is column-major).
+    assert not np.shares_memory(validate_batch(frame, y, dtype=dtype).X, frame.to_numpy())
+
+
+@pytest.mark.parametrize(
+    "frame",
+    [
+        pd.DataFrame({"a": np.arange(6, dtype=np.float32), "b": np.arange(6, dtype=np.float64)}),
+        pd.DataFrame({"a": pd.array([0.5] * 6, dtype="Float32"), "b": np.ones(6, np.float32)}),
+        pd.DataFrame({"a": np.arange(6, dtype=np.int64), "b": np.ones(6, np.float32)}),
+    ],
+    ids=["mixed-floats", "nullable-float", "integers"],
+)
+def test_frames_of_other_dtypes_are_converted_as_before(frame):
+    batch = validate_batch(frame, np.ones(6, np.float32), dtype="float32")
+    assert batch.X.dtype == np.float32 and batch.X.flags.c_contiguous
+    np.testing.assert_array_equal(batch.X, frame.to_numpy(dtype=np.float32))
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf])
+def test_a_frame_of_the_stream_dtype_is_still_scanned(bad):
+    frame = pd.DataFrame({"a": np.ones(6, np.float32), "b": np.ones(6, np.float32)})
+    frame.loc[4, "b"] = bad
+    with pytest.raises(ValidationError, match="X"):
+        validate_batch(frame, np.ones(6, np.float32), dtype="float32")
+    with pytest.raises(ValidationError, match="X"):
+        validate_batch(
+            np.asfortranarray(frame.to_numpy()), np.ones(6, np.float32), dtype="float32"
+        )
+
+
+def test_an_empty_frame_of_the_stream_dtype_is_refused_as_before():
+    frame = pd.DataFrame({"a": np.ones(0, np.float32)})
+    with pytest.raises(ValidationError, match="0 sample"):
+        validate_batch(frame, np.ones(0, np.float32), dtype="float32")
+    with pytest.raises(ValidationError, match="0 feature"):
+        validate_batch(np.ones((3, 0), np.float32), np.ones(3, np.float32), dtype="float32")

@@ -31,6 +31,7 @@ from ..core import (
 )
 from ..exceptions import EngineUnavailableError, NotFittedError, ValidationError
 from ..residuals import outlier_share, residual_scale
+from ..row_major import as_row_major
 from ..state import BatchDiagnostics, HuberState
 from ..validation import check_width
 from .blas_threads import (
@@ -499,7 +500,7 @@ class NumpyEngine:
                 raise ValidationError(f"{name} has dtype {arr.dtype}, the engine computes in {dt}")
         if w is not None and not np.sum(w, dtype=np.float64) > 0:
             raise ValidationError("sample_weight must have a positive sum")
-        return np.ascontiguousarray(X), y, w
+        return as_row_major(X), y, w
 
 
 class _Beside:
