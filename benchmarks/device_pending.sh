@@ -91,6 +91,9 @@ scale)
 formats)
     # Parquet and Zarr on an 8.4M-row prefix (32 chunks), where sending is a tenth of
     # decoding: target ratio >= 1 at every N (the dataset writes take about a minute).
+    # A Parquet loader task (rh-load) took 552-606 ms per 262,144-row chunk before frames
+    # of the stream's dtype skipped check_array (scale_out-h200-parquet-pinned.json);
+    # compare its median in the task stream.
     # Zarr needs its wheels carried too: ../shared/tools/device-wheels.sh zarr
     timeout 560 python benchmarks/scale_out.py --engine gpu --sources parquet,zarr \
         --fit-rows 8388608 --loaders 2,4,8 --compare relay --repeats 2 \
