@@ -42,9 +42,11 @@ class _Pool:
         self.log: list = []
         self.fail = fail
         self.gate = gate
+        self.entered = threading.Event()  # set once a register call has begun
         self.copied: list[int] = []
 
     def register(self, address: int, nbytes: int) -> _Registration:
+        self.entered.set()
         if self.gate is not None:
             self.gate.wait(10)
         if self.fail:
@@ -180,6 +182,7 @@ def test_close_waits_for_the_locking_then_unlocks(made):
     pool = _Pool(gate=gate)
     pin = RingPinning(ring)
     pin.start(pool)
+    assert pool.entered.wait(10)  # the first slot is locking (else close may come first)
     closer = threading.Thread(target=pin.close)
     closer.start()
     closer.join(0.2)
