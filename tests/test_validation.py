@@ -548,13 +548,15 @@ def test_a_state_for_an_engine_is_a_validated_copy_in_its_dtype():
 def test_frames_and_arrays_of_the_stream_dtype_become_row_major_copies(dtype):
     rng = np.random.default_rng(5)
     values = rng.standard_normal((30, 4)).astype(dtype)
-    frame = pd.DataFrame(values.copy(), columns=list("abcd"))  # one column-major block
+    # Columns in one column-major block, as pandas builds a frame from Parquet.
+    frame = pd.DataFrame({c: values[:, j].copy() for j, c in enumerate("abcd")})
+    assert frame.to_numpy().flags.f_contiguous
     y = np.ones(30, dtype=dtype)
     for X in (frame, np.asfortranarray(values), values[:, [0, 2, 1, 3]].T.copy().T):
         batch = validate_batch(X, y, dtype=dtype)
         assert batch.X.dtype == np.dtype(dtype) and batch.X.flags.c_contiguous
         np.testing.assert_array_equal(batch.X, np.asarray(X))
-    # The frame's own memory is not handed on (its block is column-major).
+    # A row-major copy: the frame's own (column-major) memory is not handed on.
     assert not np.shares_memory(validate_batch(frame, y, dtype=dtype).X, frame.to_numpy())
 
 
