@@ -208,9 +208,7 @@ def _plain_array(value: Any, dtype: np.dtype, two_d: bool) -> np.ndarray | None:
     elif two_d and isinstance(value, DataFrame):
         if not all(isinstance(t, np.dtype) and t == dtype for t in value.dtypes):
             return None
-        arr = value.to_numpy(copy=False)
-        if arr.dtype != dtype or arr.ndim != 2:
-            return None
+        arr = value.to_numpy(copy=False)  # of ``dtype``: a frame with no columns fails below
     else:
         return None
     if two_d and (arr.shape[0] < 1 or arr.shape[1] < 1):
