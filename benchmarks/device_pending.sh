@@ -81,22 +81,26 @@ numpy)
         --output "$out/numpy_engine-h200-threads.json" 2>&1 | tail -17
     ;;
 scale)
-    # With the untimed whole warm-up per cluster: relay (ring locked) against relay-copy at
-    # every N, three timed fits each; the engine seconds of relay well below relay-copy's,
-    # coefficients bit-identical; target 18 M rows/s at N = 4 (docs/performance.md, Scale-out).
+    # The cheap source read with rh_dask.read_npy: relay (chunks sent from the page cache
+    # with sendfile, one rh-sendfile task each) against relay-pread (read into the loading
+    # worker, then sent) at every N, three timed fits each after the untimed whole warm-up;
+    # lookahead max(8, 2 N). Coefficients bit-identical; target 18 M rows/s at N = 4
+    # (docs/performance.md, Scale-out).
     timeout 560 python benchmarks/scale_out.py --engine gpu --sources pread --loaders 1,2,4,8 \
-        --compare relay,relay-copy --repeats 3 --skip comm,relay-ceiling \
+        --compare relay,relay-pread --repeats 3 --lookahead auto --skip comm,relay-ceiling \
         --output "$out/scale_out-pread.json" 2>&1 | grep -E "^N=|floor|n4"
     ;;
 formats)
-    # Parquet and Zarr on an 8.4M-row prefix (32 chunks), where sending is a tenth of
-    # decoding: target ratio >= 1 at every N (the dataset writes take about a minute).
-    # A Parquet loader task (rh-load) took 552-606 ms per 262,144-row chunk before frames
-    # of the stream's dtype skipped check_array (scale_out-h200-parquet-pinned.json);
-    # compare its median in the task stream.
-    # Zarr needs its wheels carried too: ../shared/tools/device-wheels.sh zarr
+    # Parquet and Zarr, whole 20M-row fits, lookahead max(8, 2 N): target ratio >= 1 at
+    # every N (the dataset writes take about a minute). With lookahead 8 and 32-chunk
+    # fits, N = 8 kept its loaders 63-89 % busy and reached 0.62 of N x floor
+    # (scale_out-h200-formats.json); the Parquet loader task took 293-328 ms per
+    # 262,144-row chunk there, against a floor of 312.
+    # Zarr needs its wheels carried too:
+    #   ../shared/tools/device-wheels.sh zarr donfig google-crc32c msgspec numcodecs \
+    #       typing-extensions packaging
     timeout 560 python benchmarks/scale_out.py --engine gpu --sources parquet,zarr \
-        --fit-rows 8388608 --loaders 2,4,8 --compare relay --repeats 2 \
+        --loaders 2,4,8 --compare relay --repeats 2 --lookahead auto \
         --skip comm,relay-ceiling --output "$out/scale_out-formats.json" 2>&1 | grep -E "^N=|floor"
     ;;
 *)

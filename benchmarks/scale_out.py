@@ -84,9 +84,13 @@ SOURCES = ("pread", "parquet", "zarr")
 #: "relay-dask" the relay over Dask's comm (``rh-dask.relay.transport: dask``).
 #: "relay-copy" the TCP relay with the ring left pageable (``rh-dask.relay.pin-ring:
 #: false``: each chunk copied into the engine's pinned pool), to compare.
+#: "relay-pread" the TCP relay with ``rh-dask.relay.sendfile: false``: the ``pread``
+#: source's chunks are read into the loading worker and sent from there, where
+#: "relay" sends them from the page cache with ``sendfile``.
 FIT_LOADERS = ("relay", "relay-dask", "cluster", "actor")
 RELAY_CONFIG = {
     "relay": {"rh-dask.relay.transport": "tcp"},
+    "relay-pread": {"rh-dask.relay.transport": "tcp", "rh-dask.relay.sendfile": False},
     "relay-dask": {"rh-dask.relay.transport": "dask"},
     "relay-copy": {"rh-dask.relay.transport": "tcp", "rh-dask.relay.pin-ring": False},
 }
@@ -221,8 +225,15 @@ def fit_inputs(
 
     n_chunks = -(-rows // chunk_rows)
     if source == "pread":
-        X, y = dask_inputs(dirs["npy"], chunk_rows, rows=rows)
-        return X, y, "distributed_fit.NpyRows (pread)"
+        read = getattr(rh_dask, "read_npy", None)
+        if read is None:
+            X, y = dask_inputs(dirs["npy"], chunk_rows, rows=rows)
+            return X, y, "distributed_fit.NpyRows (pread)"
+        X = read(str(dirs["npy"] / "X.npy"), chunk_rows=chunk_rows)
+        y = read(str(dirs["npy"] / "y.npy"), chunk_rows=chunk_rows)
+        if rows < X.shape[0]:  # a slice: its chunks load as tasks (pread), never by sendfile
+            return X[:rows], y[:rows], "rh_dask.read_npy, sliced (pread)"
+        return X, y, "rh_dask.read_npy (pread; sendfile when relayed over TCP)"
     if source == "parquet":
         read = getattr(rh_dask, "read_parquet", None)
         if read is not None:
@@ -802,6 +813,13 @@ class References:
         return self._cache[key]
 
 
+def lookahead_for(args: argparse.Namespace, n_loaders: int) -> int:
+    """``--lookahead``: a number, or ``auto``, max(8, 2 N) for N loading workers."""
+    if args.lookahead == "auto":
+        return max(8, 2 * n_loaders)
+    return int(args.lookahead)
+
+
 def run_fit(
     args: argparse.Namespace,
     inputs: tuple[Any, Any],
@@ -809,6 +827,7 @@ def run_fit(
     loader: str,
     worker: str,
     memory: RoleMemory,
+    n_loaders: int = 1,
 ) -> dict[str, Any]:
     """One timed fit (after a warm-up fit of two chunks) with ``loader``."""
     from rh_dask import RenewableHuberRegressor
@@ -818,7 +837,7 @@ def run_fit(
         engine=args.engine,
         dtype=args.dtype,
         loader="relay" if relay_config else loader,
-        lookahead=args.lookahead,
+        lookahead=lookahead_for(args, n_loaders),
         worker=worker,
         progress=False,
     )
@@ -915,6 +934,7 @@ def fits_for(
     memory: RoleMemory,
     refs: References,
 ) -> None:
+    n = entry["n_loaders"]
     for source in args.sources:
         inputs = fit_inputs(source, dirs, args.chunk_rows, args.fit_rows)
         small = fit_inputs(source, dirs, args.chunk_rows, min(2 * args.chunk_rows, args.fit_rows))
@@ -923,10 +943,10 @@ def fits_for(
             # The first whole fit on a fresh cluster ran 2-3 s slower than the next
             # ones whichever loader it used (every H200 run of this benchmark):
             # it is not timed.
-            run_fit(args, inputs[:2], small[:2], loaders[0], engine_addr, memory)
+            run_fit(args, inputs[:2], small[:2], loaders[0], engine_addr, memory, n)
         for loader in loaders:
             record = methods["loaders"]
-            run = partial(run_fit, args, inputs[:2], small[:2], loader, engine_addr, memory)
+            run = partial(run_fit, args, inputs[:2], small[:2], loader, engine_addr, memory, n)
             guarded(record, loader, run)
             result = record[loader]
             print(
@@ -1086,7 +1106,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--control-cores", type=int, default=1, help="scheduler and this process")
     p.add_argument("--allow-overlap", action="store_true", help="share CPUs when too few")
     p.add_argument("--compare", default=",".join(FIT_LOADERS), help="loaders to fit with")
-    p.add_argument("--lookahead", type=int, default=8)
+    p.add_argument(
+        "--lookahead", default="8", help="chunks ahead of the engine, or auto: max(8, 2 N)"
+    )
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument(
         "--no-full-warm-up",

@@ -12,8 +12,9 @@ The public API:
   an engine directly (benchmarks, actors);
 * the exceptions in :mod:`rh_dask.exceptions` and
   :class:`~rh_dask.settings.SettingError`: every error a user can cause;
-* :func:`read_parquet` and :func:`read_zarr` (:mod:`rh_dask.readers`), the
-  readers of Parquet datasets and Zarr stores;
+* :func:`read_parquet`, :func:`read_zarr` and :func:`read_npy`
+  (:mod:`rh_dask.readers`), the readers of Parquet datasets, Zarr stores and
+  ``.npy`` files;
 * :func:`huber_loss`, :func:`huber_scorer` and :data:`neg_huber_loss`
   (:mod:`rh_dask.metrics`), the robust criterion for choosing τ by validation.
 """
@@ -42,7 +43,7 @@ from .exceptions import (
 )
 from .grid_estimator import RenewableHuberGridRegressor
 from .metrics import huber_loss, huber_scorer, neg_huber_loss
-from .readers import read_parquet, read_zarr
+from .readers import read_npy, read_parquet, read_zarr
 from .settings import SettingError
 from .state import BatchDiagnostics, HuberState
 
@@ -75,6 +76,7 @@ __all__ = [
     "huber_scorer",
     "make_engine",
     "neg_huber_loss",
+    "read_npy",
     "read_parquet",
     "read_zarr",
 ]

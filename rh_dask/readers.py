@@ -1,6 +1,6 @@
-"""Readers for the formats data is kept in: Parquet datasets and Zarr stores.
+"""Readers for the formats data is kept in: Parquet datasets, Zarr stores, ``.npy`` files.
 
-Both return lazy Dask collections whose row chunks are the batches of a
+Each returns lazy Dask collections whose row chunks are the batches of a
 stream, ready for :meth:`RenewableHuberRegressor.fit
 <rh_dask.RenewableHuberRegressor.fit>`:
 
@@ -12,9 +12,13 @@ stream, ready for :meth:`RenewableHuberRegressor.fit
 * :func:`read_zarr` gives the features, target and weights of a Zarr store
   (v2 or v3) holding one 2-D array or a group of arrays, chunked along rows
   as the store is.
+* :func:`read_npy` gives the array of one local, row-major ``.npy`` file in
+  chunks of rows, each read with one ``pread``; a loading worker relaying
+  such chunks over TCP sends them from the page cache with ``sendfile``.
 
-Paths may be fsspec URLs (``s3://``, ``gs://``, ``memory://``, ``file://``);
-``storage_options`` go to the filesystem. Nothing beyond metadata is read.
+Parquet and Zarr paths may be fsspec URLs (``s3://``, ``gs://``,
+``memory://``, ``file://``); ``storage_options`` go to the filesystem.
+Nothing beyond metadata is read.
 """
 
 from __future__ import annotations
@@ -28,14 +32,17 @@ from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
 
+import numpy as np
 from dask.utils import natural_sort_key, parse_bytes
 
 from .exceptions import InputError, MissingExtraError
 
 __all__ = [
+    "DEFAULT_NPY_CHUNK_ROWS",
     "PARQUET_CHUNKS",
     "ArrayStream",
     "parquet_files",
+    "read_npy",
     "read_parquet",
     "read_zarr",
     "select_columns",
@@ -45,6 +52,8 @@ __all__ = [
 PARQUET_CHUNKS = ("auto", "file", "row-group")
 #: Footers read at once (they are small reads, so latency bound on remote stores).
 _FOOTER_THREADS = 16
+#: Rows per chunk of :func:`read_npy` when ``chunk_rows`` is not given.
+DEFAULT_NPY_CHUNK_ROWS = 65_536
 #: Parquet files' extensions are not required: what is not data starts with these.
 _HIDDEN = ("_", ".")
 
@@ -610,3 +619,71 @@ def read_zarr(
         sample_weight=None if weight is None else column(load(weight)).rechunk({0: rows}),
         feature_names=display,
     )
+
+
+# -- .npy ------------------------------------------------------------------------------------
+def read_npy(path: str | os.PathLike[str], *, chunk_rows: int | None = None) -> Any:
+    """The array of a ``.npy`` file as a Dask array chunked along rows.
+
+    Each chunk's task reads its rows with one ``pread``: no memory map, and
+    nothing but the chunk in a worker's memory. With ``loader="relay"`` and
+    the TCP transport, a loading worker sends a chunk of such arrays
+    straight from the page cache to the relay with ``sendfile``, never
+    reading it itself, when ``X``, ``y`` and ``sample_weight`` are
+    :func:`read_npy` arrays used as they are (not sliced, not converted),
+    of the stream's dtype and chunked alike (``docs/distributed.md``,
+    "Relays"). Anything computed from them loads as any Dask array does.
+
+    Parameters
+    ----------
+    path : str or path-like
+        A local ``.npy`` file holding a 1-D or 2-D (or higher) array of
+        numbers, saved row-major (``numpy.save`` of a C-ordered array).
+    chunk_rows : int, optional
+        Rows per chunk, the last chunk holding the rest; default
+        :data:`DEFAULT_NPY_CHUNK_ROWS` (65,536). Give ``X`` and ``y`` the
+        same ``chunk_rows``.
+
+    Returns
+    -------
+    dask.array.Array
+        Of the file's shape and dtype; chunked along rows only.
+
+    Raises
+    ------
+    InputError
+        A URL or a file that is not a readable ``.npy`` file of numbers, a
+        Fortran-ordered array, a truncated file, or ``chunk_rows < 1``. A
+        chunk whose file changed size since is refused when it is read.
+    """
+    import dask.array as da
+    from dask.base import tokenize
+    from dask.highlevelgraph import HighLevelGraph
+
+    from .distributed.graphs import Task
+    from .file_rows import FileRows, npy_layout
+
+    path = os.fspath(path)
+    if "://" in path and not path.startswith("file://"):
+        raise InputError(
+            f"read_npy reads local files only, not {path!r}; copy the file to local disk",
+            path=path,
+        )
+    path = path.removeprefix("file://")
+    step = DEFAULT_NPY_CHUNK_ROWS if chunk_rows is None else chunk_rows
+    if isinstance(step, bool) or not isinstance(step, int) or step < 1:
+        raise InputError(f"chunk_rows must be an integer >= 1, got {chunk_rows!r}")
+    layout = npy_layout(os.path.abspath(path))
+    n, rest = layout.shape[0], layout.shape[1:]
+    bounds = [(a, min(a + step, n)) for a in range(0, n, step)] or [(0, 0)]
+    stat = os.stat(layout.path)
+    name = "read-npy-" + tokenize(layout, stat.st_mtime_ns, step)
+    tail = (0,) * len(rest)
+    graph = {}
+    for i, (a, b) in enumerate(bounds):
+        key = (name, i, *tail)
+        graph[key] = Task(key, FileRows(layout, a, b))
+    chunks = (tuple(b - a for a, b in bounds), *((m,) for m in rest))
+    hlg = HighLevelGraph.from_collections(name, graph, dependencies=())
+    dtype = np.dtype(layout.dtype)
+    return da.Array(hlg, name, chunks, dtype=dtype, meta=np.empty((0,) * len(layout.shape), dtype))

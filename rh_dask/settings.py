@@ -349,6 +349,11 @@ class Settings:
         ``rh-dask.relay.pin-ring``: a GPU engine's process page-locks the
         ring so that the engine copies chunks to its device straight from
         their slots (no host copy in its process).
+    relay_sendfile : bool
+        ``rh-dask.relay.sendfile``: with the TCP transport, a chunk whose
+        parts are :func:`~rh_dask.read_npy` arrays used as they are goes from
+        the loading worker's page cache to the relay with ``sendfile``, in
+        one task, and the relay validates it (off: it loads as a task first).
     auto_calibrate : bool
         ``rh-dask.engine.auto.calibrate``: ``engine="auto"`` times NumPy
         against the GPU on the first batch's shape (off: NumPy unless a CUDA
@@ -398,6 +403,7 @@ class Settings:
     relay_heap_for_chunks: bool = False
     relay_transport: str = "auto"
     relay_pin_ring: bool = True
+    relay_sendfile: bool = True
     auto_calibrate: bool = True
     auto_probe_rows: int = 131_072
     auto_rounds: int = 3
@@ -473,6 +479,7 @@ _KEYS: dict[str, tuple[str, Callable[[str, Any], Any]]] = {
     "relay_heap_for_chunks": ("rh-dask.relay.heap-for-chunks", _flag),
     "relay_transport": ("rh-dask.relay.transport", _transport),
     "relay_pin_ring": ("rh-dask.relay.pin-ring", _flag),
+    "relay_sendfile": ("rh-dask.relay.sendfile", _flag),
     "auto_calibrate": ("rh-dask.engine.auto.calibrate", _flag),
     "auto_probe_rows": ("rh-dask.engine.auto.probe-rows", _count),
     "auto_rounds": ("rh-dask.engine.auto.rounds", _count),

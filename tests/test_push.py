@@ -9,6 +9,7 @@ engine are collected in a list.
 
 from __future__ import annotations
 
+import os
 import socket
 import threading
 
@@ -16,9 +17,12 @@ import numpy as np
 import pytest
 
 from rh_dask.distributed import push as push_module
-from rh_dask.distributed.items import EmptyChunk, LoadedChunk
-from rh_dask.distributed.push import PushServer, PushSpec, push_chunk
+from rh_dask.distributed.file_chunks import FileChunk
+from rh_dask.distributed.items import BadChunk, ChunkSpec, EmptyChunk, LoadedChunk
+from rh_dask.distributed.push import PushServer, PushSpec, push_chunk, push_file_chunk
 from rh_dask.distributed.ring import ChunkRing, RingError, RingWriter, SlotNote
+from rh_dask.exceptions import InputError
+from rh_dask.file_rows import FileRows, npy_layout
 from rh_dask.settings import SettingError, Settings
 
 pytestmark = pytest.mark.timeout(60)
@@ -151,7 +155,7 @@ def test_a_loader_dying_mid_chunk_leaves_no_note_and_the_server_serving(relay):
     sock = push_module._connect(spec, relay.server.address)
     item = _chunk(0)
     shapes = [(a.shape, a.dtype.str) for a in (item.X, item.y, item.sample_weight)]
-    push_module._send_frame(sock, (0, "arrays", shapes))
+    push_module._send_frame(sock, (0, "arrays", shapes, None))
     sock.sendall(item.X.tobytes()[:100])
     sock.close()  # the loading worker died half-way
     # Dask runs the task again (here: on this thread), through a fresh connection.
@@ -165,6 +169,93 @@ def test_a_loader_dying_mid_chunk_leaves_no_note_and_the_server_serving(relay):
     assert done.wait(10)
     assert [n.index for n in relay.notes] == [0]
     _same(relay.ring.parts(relay.notes[0])[0], item.X)
+
+
+# -- chunks sent from files ------------------------------------------------------------------
+def _file_chunk(tmp_path, index, rows=300, d=4, dtype="float32", weights=True, check=True):
+    """Chunk ``index`` as rows 5.. of .npy files holding its arrays, and the arrays themselves."""
+    item = _chunk(index, rows=rows, d=d, dtype=dtype, weights=weights)
+    parts = []
+    for name, a in zip("Xyw", (item.X, item.y, item.sample_weight), strict=True):
+        if a is None:
+            parts.append(None)
+            continue
+        path = tmp_path / f"{name}{index}.npy"
+        np.save(path, np.concatenate([np.zeros((5, *a.shape[1:]), a.dtype), a]))
+        parts.append(FileRows(npy_layout(path), 5, 5 + rows))
+    spec = ChunkSpec(index, dtype, d, None, check_finite=check)
+    return FileChunk(index, tuple(parts), spec), item
+
+
+@pytest.mark.parametrize("weights", [True, False])
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_a_file_chunk_is_sent_from_its_files_bit_for_bit(relay, tmp_path, dtype, weights):
+    spec = relay.spec()
+    for index in (0, 1):
+        chunk, item = _file_chunk(tmp_path, index, dtype=dtype, weights=weights)
+        assert push_file_chunk(chunk, spec) == relay.notes[-1].nbytes > 0
+        note = relay.notes[-1]
+        assert isinstance(note, SlotNote) and note.index == index
+        X, y, w = relay.ring.parts(note)
+        _same(X, item.X), _same(y, item.y), _same(w, item.sample_weight)
+    assert len(push_module._idle[(spec.ring_id, relay.server.address)]) == 1
+
+
+@pytest.mark.parametrize("check", [True, False])
+def test_the_relay_refuses_a_bad_file_chunk_as_a_loader_would(relay, tmp_path, check):
+    chunk, item = _file_chunk(tmp_path, 0, check=check)
+    X = np.load(chunk.parts[0].layout.path)
+    X[5 + 17, 2] = np.nan
+    np.save(chunk.parts[0].layout.path, X)  # same size: the file is still the one planned
+    w = np.load(chunk.parts[2].layout.path)
+    w[5 + 3] = -1.0
+    np.save(chunk.parts[2].layout.path, w)
+    assert push_file_chunk(chunk, relay.spec()) == 0
+    bad = relay.notes[-1]
+    assert isinstance(bad, BadChunk) and bad.index == 0 and bad.refused
+    # Weights are always checked; NaN only where the engine does not check on its device.
+    assert ("NaN" in bad.reason) is check and ("sample_weight" in bad.reason) is not check
+    assert bad.error.__traceback__ is None
+    # The connection stays in step: the next chunk lands whole.
+    good, item = _file_chunk(tmp_path, 1)
+    push_file_chunk(good, relay.spec())
+    _same(relay.ring.parts(relay.notes[-1])[0], item.X)
+
+
+def test_a_file_chunk_larger_than_a_slot_and_a_refused_one_leave_no_file(tmp_path):
+    r = _Relay(str(tmp_path), slot_bytes=4096)
+    try:
+        chunk, item = _file_chunk(tmp_path, 0, rows=2000)
+        push_file_chunk(chunk, r.spec())
+        note = r.notes[-1]
+        assert note.slot == -1 and note.overflow is not None
+        _same(r.ring.parts(note)[0], item.X)
+        bad, _ = _file_chunk(tmp_path, 1, rows=2000)
+        y = np.load(bad.parts[1].layout.path)
+        y[-1] = np.inf
+        np.save(bad.parts[1].layout.path, y)
+        before = set(os.listdir(tmp_path))
+        push_file_chunk(bad, r.spec())
+        assert isinstance(r.notes[-1], BadChunk) and "infinity" in r.notes[-1].reason
+        assert set(os.listdir(tmp_path)) == before
+    finally:
+        r.close()
+        push_module.forget_connections()
+
+
+def test_a_file_changed_or_gone_is_an_input_error_and_the_relay_keeps_serving(relay, tmp_path):
+    chunk, _ = _file_chunk(tmp_path, 0)
+    path = chunk.parts[1].layout.path
+    np.save(path, np.zeros(10, dtype="float32"))
+    with pytest.raises(InputError, match="changed since it was opened"):
+        push_file_chunk(chunk, relay.spec())
+    os.unlink(path)
+    with pytest.raises(InputError, match="cannot open"):
+        push_file_chunk(chunk, relay.spec())
+    assert relay.notes == []
+    good, item = _file_chunk(tmp_path, 1)
+    push_file_chunk(good, relay.spec())
+    _same(relay.ring.parts(relay.notes[-1])[0], item.X)
 
 
 def test_the_transport_setting(monkeypatch):

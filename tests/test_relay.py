@@ -251,6 +251,103 @@ def test_order_kept_when_later_chunks_finish_first(client, ring_dir, snapshot, a
     assert _left(ring_dir) == []
 
 
+# -- chunks sent from .npy files --------------------------------------------------------------
+def _npy_inputs(tmp_path, X, y, w, chunk_rows):
+    import rh_dask
+
+    out = []
+    for name, a in (("X", X), ("y", y), ("w", w)):
+        if a is None:
+            out.append(None)
+            continue
+        np.save(tmp_path / f"{name}.npy", a)
+        out.append(rh_dask.read_npy(tmp_path / f"{name}.npy", chunk_rows=chunk_rows))
+    return out
+
+
+@pytest.mark.parametrize(
+    ("transport", "sendfile", "sent"),
+    [("tcp", True, True), ("tcp", False, False), ("dask", True, False)],
+)
+@pytest.mark.parametrize("dtype", ["float64", "float32"])
+def test_a_fit_from_npy_files_sends_chunks_from_the_files_and_equals_the_loop(
+    client, ring_dir, tmp_path, dtype, transport, sendfile, sent, snapshot, assert_unchanged
+):
+    X, y, w = _data(n=3_100, seed=12, weights=True, dtype=dtype)
+    Xd, yd, wd = _npy_inputs(tmp_path, X, y, w, 700)
+    settings = {"rh-dask.relay.transport": transport, "rh-dask.relay.sendfile": sendfile}
+    model = RenewableHuberRegressor(loader="relay", lookahead=3, progress=False, dtype=dtype)
+    with dask.config.set(settings):
+        model.fit(Xd, yd, sample_weight=wd)
+    _assert_roles(model, client)
+    assert model.placement_["relay_sendfile"] is sent
+    ref = _loop(_row_blocks(X, y, w, [700] * 4 + [300]), dtype=dtype)
+    _same(model, ref, assert_unchanged, snapshot)
+    assert _left(ring_dir) == []
+
+
+def test_npy_chunks_of_another_dtype_or_sliced_load_as_tasks(
+    client, ring_dir, tmp_path, snapshot, assert_unchanged
+):
+    X, y, _ = _data(n=2_000, seed=13)
+    Xd, yd, _ = _npy_inputs(tmp_path, X, y, None, 500)
+    with dask.config.set({"rh-dask.relay.transport": "tcp"}):
+        # float64 files, a float32 stream: converted on the loading workers.
+        model = RenewableHuberRegressor(loader="relay", progress=False, dtype="float32")
+        model.fit(Xd, yd)
+        assert model.placement_["relay_sendfile"] is False
+        _same(
+            model,
+            _loop(_row_blocks(X, y, None, [500] * 4), dtype="float32"),
+            assert_unchanged,
+            snapshot,
+        )
+        sliced = RenewableHuberRegressor(loader="relay", progress=False)
+        sliced.fit(Xd[:, :4], yd)
+        assert sliced.placement_["relay_sendfile"] is False
+    ref = _loop(_row_blocks(X[:, :4], y, None, [500] * 4))
+    _same(sliced, ref, assert_unchanged, snapshot)
+    assert _left(ring_dir) == []
+
+
+@pytest.mark.parametrize("problem", ["nan", "negative weight"])
+def test_a_bad_npy_chunk_is_refused_by_the_relay_and_changes_nothing(
+    client, ring_dir, tmp_path, problem, snapshot, assert_unchanged
+):
+    X, y, w = _data(n=2_500, seed=14, weights=True)
+    bad_X, bad_w = X.copy(), w.copy()
+    if problem == "nan":
+        bad_X[1_234, 1] = np.nan  # chunk 2 of 500-row chunks
+    else:
+        bad_w[1_100] = -1.0
+    Xd, yd, wd = _npy_inputs(tmp_path, bad_X, y, bad_w, 500)
+    blocks = _row_blocks(X, y, w, [500] * 5)
+    model = _loop(blocks[:1])
+    with dask.config.set({"rh-dask.relay.transport": "tcp"}):
+        with pytest.raises(BadChunkError, match="chunk 2 was refused") as info:
+            model.partial_fit(Xd, yd, sample_weight=wd)
+    assert info.value.chunk_index == 2
+    assert ("NaN" if problem == "nan" else "sample_weight") in str(info.value)
+    assert model.placement_["relay_sendfile"] is True
+    # The two chunks in front of it were fitted; nothing of chunk 2.
+    _same(model, _loop(blocks[:1] + blocks[:2]), assert_unchanged, snapshot)
+    assert _left(ring_dir) == []
+
+
+def test_a_npy_file_changed_under_the_fit_names_the_chunk_and_the_file(
+    client, ring_dir, tmp_path, snapshot, assert_unchanged
+):
+    X, y, _ = _data(n=2_000, seed=15)
+    Xd, yd, _ = _npy_inputs(tmp_path, X, y, None, 500)
+    np.save(tmp_path / "y.npy", y[:1_900])
+    model = RenewableHuberRegressor(loader="relay", progress=False)
+    with dask.config.set({"rh-dask.relay.transport": "tcp"}):
+        with pytest.raises(StreamError, match=r"chunk 0 could not be loaded.*y\.npy.*changed"):
+            model.fit(Xd, yd)
+    assert not hasattr(model, "coef_")
+    assert _left(ring_dir) == []
+
+
 # -- the memory bound -----------------------------------------------------------------------
 class _Watch:
     """What the engine consumed, and where each load started relative to it (one process)."""

@@ -338,6 +338,7 @@ class ChunkGraph:
             graph[key] = Task(key, self.func, *refs, self.make_spec(i), *self.extra)
             self.keys.append(key)
         self.graph = graph
+        self._parts = per_role
         self._split()
 
     @property
@@ -456,6 +457,10 @@ class ChunkGraph:
         for key, last in last_use.items():
             self._held_by[made_by[key]].append(key)
             self._released_at[last].append(key)
+
+    def part_keys(self, index: int) -> dict[str, Key]:
+        """The keys of chunk ``index``'s parts, by role (``"X"``, ``"y"``, ``"w"``)."""
+        return {role: keys[index] for role, keys in self._parts.items()}
 
     def subgraph(self, index: int) -> dict[Key, Any]:
         """Tasks to submit with chunk ``index`` (held keys of earlier chunks excluded)."""

@@ -71,6 +71,7 @@ from ..stream import BatchRecord, Recovery
 from .actor import EngineActor, deliver_chunk, load_and_deliver
 from .chunks import AlignedStream, ChunkGraph
 from .consumer import Progress, StreamSnapshot
+from .file_chunks import file_chunk
 from .graphs import Task, TaskRef
 from .interrupts import interrupts_deferred
 from .items import BadChunk, chunk_error
@@ -85,7 +86,7 @@ from .placement import (
     scheduler_workers,
 )
 from .progress import StreamProgress
-from .push import PushSpec, push_chunk
+from .push import PushSpec, push_chunk, push_file_chunk
 from .relay import attach_relay, relay_chunk
 from .ring import RingSpec
 
@@ -542,6 +543,7 @@ class ClusterWalk:
         self.outcome.placement["relays"] = list(self._relays)
         self.outcome.placement["loaders"] = list(self._loaders)
         self.outcome.placement["relay_transport"] = "tcp" if push else "dask"
+        self.outcome.placement.setdefault("relay_sendfile", False)
 
     def _relay_transport(self) -> str:
         """``rh-dask.relay.transport`` decided: ``"tcp"`` unless Dask's comm must be encrypted."""
@@ -584,11 +586,26 @@ class ClusterWalk:
             "cluster": ("rh-deliver", deliver_chunk, (self._actor.key, stream_id), pinned),
             "relay": relay,
         }.get(mode)
+        # Chunks that are byte ranges of files go in one task each, by sendfile.
+        by_file = mode == "relay" and self._push is not None and self.settings.relay_sendfile
         layers: dict[str, MaterializedLayer] = {}
         deps: dict[str, set[str]] = {}
         wanted: list[Any] = []
         outputs: list[tuple[int, Any, list[Any]]] = []
         for i in chunks:
+            ranges = file_chunk(graph, i, graph.make_spec(i)) if by_file else None
+            if ranges is not None:
+                out = (f"rh-sendfile-{stream_id}", i)
+                layer = f"rh-sendfile-{stream_id}-{i}"
+                layers[layer] = MaterializedLayer(
+                    {out: Task(out, push_file_chunk, ranges, self._push)},
+                    annotations={"priority": -i, **loaders},
+                )
+                deps[layer] = set()
+                self.outcome.placement["relay_sendfile"] = True
+                wanted.append(out)
+                outputs.append((i, out, []))
+                continue
             item_key = graph.keys[i]
             shared = graph.shared_owned(i)
             # Earlier chunks load first; the engine's order never depends on it.

@@ -16,6 +16,9 @@ is, and what takes its place where a Dask release lacks it:
   of the private ``dask._expr``). Without it: each collection optimised
   on its own (a DataFrame's ``optimize`` method, else ``dask.optimize``),
   then its graph and keys (:func:`optimized_graph`).
+* ``Task.func``, ``Task.args``, ``Task.kwargs``: attributes of a public
+  class, not in Dask's documentation. Without them: no task is seen as a
+  bare call (:func:`bare_call`), and every chunk loads as a task.
 * ``GraphNode.fuse``: a public method, not in Dask's documentation. Without
   it: one :class:`Task` of our own that runs the tasks in dependency order
   (:func:`fused_task`).
@@ -50,6 +53,7 @@ __all__ = [
     "List",
     "Task",
     "TaskRef",
+    "bare_call",
     "compute_keys",
     "dependencies",
     "fuse",
@@ -105,6 +109,21 @@ def dependencies(graph: dict[Key, Any], key: Key) -> Any:
     if isinstance(node, GraphNode):
         return node.dependencies
     return get_dependencies(graph, key)
+
+
+def bare_call(node: Any) -> Any | None:
+    """The callable of a task that calls it with no arguments, else ``None``.
+
+    Such a task's result is wholly described by the callable (the chunk
+    tasks of :func:`rh_dask.read_npy` are these), so a caller may act on the
+    callable instead of running the task.
+    """
+    if not isinstance(node, Task) or node.dependencies:
+        return None
+    func = getattr(node, "func", None)
+    if func is None or getattr(node, "args", None) != () or getattr(node, "kwargs", None) != {}:
+        return None
+    return func
 
 
 def fuse(tasks: Sequence[GraphNode], key: Key) -> GraphNode:

@@ -16,11 +16,18 @@ key itself never crosses the network) but not encrypted: where Dask's comm
 must be encrypted (``distributed.comm.require-encryption``, a ``tls://``
 scheduler) the coordinator keeps the Dask comm transport.
 
+A chunk that is byte ranges of ``.npy`` files (:func:`push_file_chunk`,
+:mod:`.file_chunks`) goes the same way, its bytes sent from the loading
+worker's page cache with ``sendfile``; the relay then validates what it
+received, as a loader validates a chunk it loaded.
+
 The protocol, per chunk on one connection: a header (``!Q`` length, then a
-pickle of ``(index, kind, body)``; ``kind`` ``"arrays"`` with the parts'
-``(shape, dtype)`` or ``None``, or ``"item"`` with an empty or bad chunk's
-item), the arrays' bytes in order for ``"arrays"``, and the relay's answer
-(the same framing, ``("ok", nbytes)`` or ``("error", message)``).
+pickle of ``(index, kind, body, check)``; ``kind`` ``"arrays"`` with the
+parts' ``(shape, dtype)`` or ``None``, or ``"item"`` with an empty or bad
+chunk's item; ``check`` ``None``, or the :class:`~.items.ChunkSpec` the relay
+validates the received arrays with), the arrays' bytes in order for
+``"arrays"``, and the relay's answer (the same framing, ``("ok", nbytes)``
+or ``("error", message)``).
 """
 
 from __future__ import annotations
@@ -42,11 +49,12 @@ from typing import Any
 
 import numpy as np
 
-from ..exceptions import RingError
-from .items import ChunkItem, LoadedChunk
+from ..exceptions import InputError, RingError
+from .file_chunks import FileChunk, refusal
+from .items import BadChunk, ChunkItem, LoadedChunk
 from .ring import PartLayout, SlotNote, layout_of
 
-__all__ = ["PushServer", "PushSpec", "push_chunk"]
+__all__ = ["PushServer", "PushSpec", "push_chunk", "push_file_chunk"]
 
 logger = logging.getLogger(__name__)
 
@@ -208,17 +216,22 @@ class PushServer:
                 sock.close()
 
     def _chunk(self, sock: socket.socket, header: Any) -> tuple[str, Any]:
-        index, kind, body = header
+        index, kind, body, check = header
         if kind == "item":
             self._send(body)
             return ("ok", 0)
         parts, needed = layout_of(body)
         received = []
+        refused: list[BadChunk] = []
 
         def fill(buffer: Any, base: int) -> None:
             for view in _part_views(buffer, base, parts):
                 _recv_exact(sock, view)
             received.append(True)
+            if check is not None:
+                bad = refusal(buffer, base, parts, check)
+                if bad is not None:
+                    refused.append(bad)
 
         try:
             note = self._write(index, parts, needed, fill)
@@ -228,6 +241,13 @@ class PushServer:
             return ("error", str(exc))
         if not received:  # a stale copy: the engine consumed this chunk already
             self._drain(sock, parts)
+            return ("ok", 0)
+        if refused:
+            # The stream stops in front of this chunk: its slot is never read.
+            if note is not None and note.overflow is not None:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(note.overflow)
+            self._send(refused[0])
             return ("ok", 0)
         try:
             self._send(note)
@@ -332,15 +352,45 @@ def _host_array(a: Any) -> np.ndarray | None:
 
 def _send_chunk(sock: socket.socket, item: ChunkItem) -> tuple[str, Any]:
     if not isinstance(item, LoadedChunk):
-        _send_frame(sock, (item.index, "item", item))
+        _send_frame(sock, (item.index, "item", item, None))
         return _recv_frame(sock)
     arrays = [_host_array(a) for a in (item.X, item.y, item.sample_weight)]
     shapes = [None if a is None else (a.shape, a.dtype.str) for a in arrays]
-    _send_frame(sock, (item.index, "arrays", shapes))
+    _send_frame(sock, (item.index, "arrays", shapes, None))
     for a in arrays:
         if a is not None and a.nbytes:
             sock.sendall(memoryview(a).cast("B"))
     return _recv_frame(sock)
+
+
+def _push(index: int, send: Callable[[socket.socket], tuple[str, Any]], spec: PushSpec) -> int:
+    """Send chunk ``index`` with ``send(sock)`` to the relays in turn, from ``index mod R``."""
+    addresses = spec.addresses
+    if not addresses:
+        raise RingError(f"the stream of ring {spec.ring_id} has no relay to push to")
+    first = index % len(addresses)
+    failures = []
+    for k in range(len(addresses)):
+        address = addresses[(first + k) % len(addresses)]
+        try:
+            sock = _connect(spec, address)
+        except (OSError, EOFError) as exc:
+            failures.append(f"{address[0]}:{address[1]}: {exc}")
+            continue
+        try:
+            status, value = send(sock)
+        except (OSError, EOFError, RingError) as exc:
+            sock.close()
+            failures.append(f"{address[0]}:{address[1]}: {exc}")
+            continue
+        except BaseException:
+            sock.close()  # the relay may hold part of a chunk: never reuse the connection
+            raise
+        _give_back(spec, address, sock)
+        if status == "ok":
+            return int(value)
+        raise RingError(f"relay {address[0]}:{address[1]} refused chunk {index}: {value}")
+    raise RingError(f"no relay took chunk {index}: {'; '.join(failures)}")
 
 
 def push_chunk(item: ChunkItem, spec: PushSpec) -> int:
@@ -354,26 +404,67 @@ def push_chunk(item: ChunkItem, spec: PushSpec) -> int:
     RingError
         When no relay takes the chunk (every one is lost, or the stream ended).
     """
-    addresses = spec.addresses
-    if not addresses:
-        raise RingError(f"the stream of ring {spec.ring_id} has no relay to push to")
-    first = item.index % len(addresses)
-    failures = []
-    for k in range(len(addresses)):
-        address = addresses[(first + k) % len(addresses)]
-        try:
-            sock = _connect(spec, address)
-        except (OSError, EOFError) as exc:
-            failures.append(f"{address[0]}:{address[1]}: {exc}")
+    return _push(item.index, lambda sock: _send_chunk(sock, item), spec)
+
+
+def _open_parts(chunk: FileChunk) -> list[Any]:
+    files: list[Any] = []
+    try:
+        for part in chunk.parts:
+            if part is None:
+                files.append(None)
+                continue
+            path = part.layout.path
+            try:
+                f = open(path, "rb", buffering=0)
+            except OSError as exc:
+                raise InputError(f"cannot open {path!r}: {exc}", path=path) from exc
+            files.append(f)
+            part.check_file(f.fileno())
+    except BaseException:
+        for f in files:
+            if f is not None:
+                f.close()
+        raise
+    return files
+
+
+def _send_file_chunk(sock: socket.socket, chunk: FileChunk, files: list[Any]) -> tuple[str, Any]:
+    shapes = [None if p is None else (p.shape, p.dtype.str) for p in chunk.parts]
+    _send_frame(sock, (chunk.index, "arrays", shapes, chunk.spec))
+    for part, f in zip(chunk.parts, files, strict=True):
+        if part is None or not part.nbytes:
             continue
-        try:
-            status, value = _send_chunk(sock, item)
-        except (OSError, EOFError, RingError) as exc:
-            sock.close()
-            failures.append(f"{address[0]}:{address[1]}: {exc}")
-            continue
-        _give_back(spec, address, sock)
-        if status == "ok":
-            return int(value)
-        raise RingError(f"relay {address[0]}:{address[1]} refused chunk {item.index}: {value}")
-    raise RingError(f"no relay took chunk {item.index}: {'; '.join(failures)}")
+        sent = sock.sendfile(f, part.byte_offset, part.nbytes)
+        if sent != part.nbytes:
+            path = part.layout.path
+            raise InputError(
+                f"{path!r} ended before rows {part.start}:{part.stop} (changed while read)",
+                path=path,
+            )
+    return _recv_frame(sock)
+
+
+def push_file_chunk(chunk: FileChunk, spec: PushSpec) -> int:
+    """The one task of a file chunk on a loading worker: send its byte ranges to a relay.
+
+    The bytes go from the files to the relay's socket with ``sendfile``
+    (the loading worker never reads them); the relay validates the chunk it
+    received with ``chunk.spec``. Relays are tried as :func:`push_chunk`
+    tries them. Returns the bytes the relay wrote (0 for a refused chunk or
+    a stale copy).
+
+    Raises
+    ------
+    InputError
+        A part's file cannot be opened or changed size since it was opened.
+    RingError
+        When no relay takes the chunk.
+    """
+    files = _open_parts(chunk)
+    try:
+        return _push(chunk.index, lambda sock: _send_file_chunk(sock, chunk, files), spec)
+    finally:
+        for f in files:
+            if f is not None:
+                f.close()
