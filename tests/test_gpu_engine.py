@@ -931,6 +931,26 @@ def test_relayed_fit_on_a_gpu_worker_equals_the_loop(tmp_path):
         with pytest.raises(StreamError, match=r"chunk 5 was refused.*finite"):
             model.set_params(progress=False).fit(da.from_array(X_bad, chunks=(5_000, 12)), yd)
         assert model.state_.batch_count == 5
+        # Chunks of .npy files go from the loader's page cache with sendfile; the
+        # relay leaves the finiteness check to the device, which refuses chunk 5.
+        import rh_dask
+
+        for name, a in (("X", X), ("y", y), ("X_bad", X_bad)):
+            np.save(tmp_path / f"{name}.npy", a)
+        yf = rh_dask.read_npy(tmp_path / "y.npy", chunk_rows=5_000)
+        model = RenewableHuberRegressor(engine="gpu", dtype="float32", loader="relay")
+        model.set_params(progress=False).fit(
+            rh_dask.read_npy(tmp_path / "X.npy", chunk_rows=5_000), yf
+        )
+        assert model.placement_["relay_sendfile"] is True
+        np.testing.assert_array_equal(model.state_.coefficients, ref.state_.coefficients)
+        np.testing.assert_array_equal(model.coef_history_, ref.coef_history_)
+        model = RenewableHuberRegressor(engine="gpu", dtype="float32", loader="relay")
+        with pytest.raises(StreamError, match=r"chunk 5 was refused.*finite"):
+            model.set_params(progress=False).fit(
+                rh_dask.read_npy(tmp_path / "X_bad.npy", chunk_rows=5_000), yf
+            )
+        assert model.state_.batch_count == 5 and model.placement_["relay_sendfile"] is True
     assert not [p for p in tmp_path.iterdir() if p.name.startswith("rh-dask-ring")]
 
 
