@@ -12,9 +12,10 @@ stream, ready for :meth:`RenewableHuberRegressor.fit
 * :func:`read_zarr` gives the features, target and weights of a Zarr store
   (v2 or v3) holding one 2-D array or a group of arrays, chunked along rows
   as the store is.
-* :func:`read_npy` gives the array of one local, row-major ``.npy`` file in
-  chunks of rows, each read with one ``pread``; a loading worker relaying
-  such chunks over TCP sends them from the page cache with ``sendfile``.
+* :func:`read_npy` gives the arrays of local, row-major ``.npy`` files one
+  after another in chunks of rows, each read with one ``pread``; a loading
+  worker relaying such chunks over TCP sends them from the page cache with
+  ``sendfile``.
 
 Parquet and Zarr paths may be fsspec URLs (``s3://``, ``gs://``,
 ``memory://``, ``file://``); ``storage_options`` go to the filesystem.
@@ -41,6 +42,7 @@ __all__ = [
     "DEFAULT_NPY_CHUNK_ROWS",
     "PARQUET_CHUNKS",
     "ArrayStream",
+    "npy_files",
     "parquet_files",
     "read_npy",
     "read_parquet",
@@ -622,39 +624,93 @@ def read_zarr(
 
 
 # -- .npy ------------------------------------------------------------------------------------
-def read_npy(path: str | os.PathLike[str], *, chunk_rows: int | None = None) -> Any:
-    """The array of a ``.npy`` file as a Dask array chunked along rows.
+def _local_path(path: str) -> str:
+    if "://" in path and not path.startswith("file://"):
+        raise InputError(
+            f"read_npy reads local files only, not {path!r}; copy the file to local disk",
+            path=path,
+        )
+    return path.removeprefix("file://")
 
-    Each chunk's task reads its rows with one ``pread``: no memory map, and
-    nothing but the chunk in a worker's memory. With ``loader="relay"`` and
-    the TCP transport, a loading worker sends a chunk of such arrays
-    straight from the page cache to the relay with ``sendfile``, never
-    reading it itself, when ``X``, ``y`` and ``sample_weight`` are
-    :func:`read_npy` arrays used as they are (not sliced, not converted),
-    of the stream's dtype and chunked alike (``docs/distributed.md``,
-    "Relays"). Anything computed from them loads as any Dask array does.
 
-    Parameters
-    ----------
-    path : str or path-like
-        A local ``.npy`` file holding a 1-D or 2-D (or higher) array of
-        numbers, saved row-major (``numpy.save`` of a C-ordered array).
-    chunk_rows : int, optional
-        Rows per chunk, the last chunk holding the rest; default
-        :data:`DEFAULT_NPY_CHUNK_ROWS` (65,536). Give ``X`` and ``y`` the
-        same ``chunk_rows``.
+def npy_files(path: str | os.PathLike[str] | Sequence[str | os.PathLike[str]]) -> list[str]:
+    """The ``.npy`` files :func:`read_npy` reads, in order.
 
-    Returns
-    -------
-    dask.array.Array
-        Of the file's shape and dtype; chunked along rows only.
+    A file; a directory (its ``*.npy`` files, in natural order of their
+    names: ``2.npy`` before ``10.npy``, as ``dask.array.to_npy_stack``
+    writes them); a glob (its matches, in natural order); or a list of
+    these, in the order given.
 
     Raises
     ------
     InputError
-        A URL or a file that is not a readable ``.npy`` file of numbers, a
-        Fortran-ordered array, a truncated file, or ``chunk_rows < 1``. A
-        chunk whose file changed size since is refused when it is read.
+        A URL, or a name that matches no file.
+    """
+    paths = [path] if isinstance(path, (str, os.PathLike)) else list(path)
+    if not paths:
+        raise InputError("read_npy needs at least one path")
+    found: list[str] = []
+    for entry in paths:
+        name = _local_path(os.fspath(entry))
+        if os.path.isdir(name):
+            members = _glob.glob(os.path.join(_glob.escape(name), "*.npy"))
+            if not members:
+                raise InputError(f"no .npy files in directory {name!r}", path=name)
+            found += sorted(members, key=natural_sort_key)
+        elif _glob.has_magic(name):
+            members = _glob.glob(name)
+            if not members:
+                raise InputError(f"no file matches {name!r}", path=name)
+            found += sorted(members, key=natural_sort_key)
+        else:
+            found.append(name)
+    return found
+
+
+def read_npy(
+    path: str | os.PathLike[str] | Sequence[str | os.PathLike[str]],
+    *,
+    chunk_rows: int | None = None,
+) -> Any:
+    """The arrays of ``.npy`` files, one after another along rows, as a Dask array.
+
+    Each chunk's task reads its rows with one ``pread``: no memory map, and
+    nothing but the chunk in a worker's memory; a chunk never spans two
+    files. With ``loader="relay"`` and the TCP transport, a loading worker
+    sends a chunk of such arrays straight from the page cache to the relay
+    with ``sendfile``, never reading it itself, when ``X``, ``y`` and
+    ``sample_weight`` are :func:`read_npy` arrays used as they are (not
+    sliced, not converted), of the stream's dtype and chunked alike
+    (``docs/distributed.md``, "Relays"). Anything computed from them loads
+    as any Dask array does. The files must be readable by every worker
+    that loads chunks (local disks holding the same files, or a shared
+    filesystem).
+
+    Parameters
+    ----------
+    path : str, path-like, or a sequence of them
+        A local ``.npy`` file, a directory of them, a glob, or a list of
+        these (:func:`npy_files`). Each holds an array of numbers (1-D or
+        more) saved row-major (``numpy.save`` of a C-ordered array); every
+        file has the first one's dtype and shape past the rows.
+    chunk_rows : int, optional
+        Rows per chunk, the last chunk of each file holding the rest;
+        default :data:`DEFAULT_NPY_CHUNK_ROWS` (65,536). Give ``X`` and
+        ``y`` the same ``chunk_rows`` (and files of the same rows).
+
+    Returns
+    -------
+    dask.array.Array
+        Of the files' dtype, chunked along rows only.
+
+    Raises
+    ------
+    InputError
+        Naming the file: a URL or a file that is not a readable ``.npy``
+        file of numbers, a Fortran-ordered array, a truncated file, a file
+        whose dtype or shape past the rows differs from the first file's;
+        also ``chunk_rows < 1``. A chunk whose file changed size since is
+        refused when it is read.
     """
     import dask.array as da
     from dask.base import tokenize
@@ -663,27 +719,34 @@ def read_npy(path: str | os.PathLike[str], *, chunk_rows: int | None = None) -> 
     from .distributed.graphs import Task
     from .file_rows import FileRows, npy_layout
 
-    path = os.fspath(path)
-    if "://" in path and not path.startswith("file://"):
-        raise InputError(
-            f"read_npy reads local files only, not {path!r}; copy the file to local disk",
-            path=path,
-        )
-    path = path.removeprefix("file://")
     step = DEFAULT_NPY_CHUNK_ROWS if chunk_rows is None else chunk_rows
     if isinstance(step, bool) or not isinstance(step, int) or step < 1:
         raise InputError(f"chunk_rows must be an integer >= 1, got {chunk_rows!r}")
-    layout = npy_layout(os.path.abspath(path))
-    n, rest = layout.shape[0], layout.shape[1:]
-    bounds = [(a, min(a + step, n)) for a in range(0, n, step)] or [(0, 0)]
-    stat = os.stat(layout.path)
-    name = "read-npy-" + tokenize(layout, stat.st_mtime_ns, step)
+    layouts = [npy_layout(os.path.abspath(name)) for name in npy_files(path)]
+    first = layouts[0]
+    for layout in layouts[1:]:
+        if layout.dtype != first.dtype or layout.shape[1:] != first.shape[1:]:
+            raise InputError(
+                f"{layout.path!r} holds a {np.dtype(layout.dtype)} array of shape "
+                f"{layout.shape}; the first file, {first.path!r}, a {np.dtype(first.dtype)} "
+                f"array of shape {first.shape}: every file needs the first one's dtype and "
+                "shape past the rows",
+                path=layout.path,
+            )
+    pieces = [
+        (layout, a, min(a + step, layout.shape[0]))
+        for layout in layouts
+        for a in range(0, layout.shape[0], step)
+    ] or [(first, 0, 0)]
+    mtimes = [os.stat(layout.path).st_mtime_ns for layout in layouts]
+    name = "read-npy-" + tokenize(layouts, mtimes, step)
+    rest = first.shape[1:]
     tail = (0,) * len(rest)
     graph = {}
-    for i, (a, b) in enumerate(bounds):
+    for i, (layout, a, b) in enumerate(pieces):
         key = (name, i, *tail)
         graph[key] = Task(key, FileRows(layout, a, b))
-    chunks = (tuple(b - a for a, b in bounds), *((m,) for m in rest))
+    chunks = (tuple(b - a for _, a, b in pieces), *((m,) for m in rest))
     hlg = HighLevelGraph.from_collections(name, graph, dependencies=())
-    dtype = np.dtype(layout.dtype)
-    return da.Array(hlg, name, chunks, dtype=dtype, meta=np.empty((0,) * len(layout.shape), dtype))
+    dtype = np.dtype(first.dtype)
+    return da.Array(hlg, name, chunks, dtype=dtype, meta=np.empty((0,) * (1 + len(rest)), dtype))

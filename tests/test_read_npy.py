@@ -108,3 +108,50 @@ def test_layout_of_a_version_2_header(tmp_path):
     layout = npy_layout(path)
     assert layout.shape == (4, 3) and layout.row_bytes == 12
     assert FileRows(layout, 1, 3)().tobytes() == a[1:3].tobytes()
+
+
+def _parts(tmp_path, sizes, d=3, dtype="float32"):
+    out, start = [], 0
+    for k, n in enumerate(sizes):
+        a = np.arange(start * d, (start + n) * d, dtype=dtype).reshape(n, d)
+        np.save(tmp_path / f"{k}.npy", a)
+        out.append(a)
+        start += n
+    return out
+
+
+def test_several_files_in_natural_order_and_chunks_never_span_two(tmp_path):
+    # 12 files, so that "10.npy" sorts after "2.npy" only in natural order.
+    sizes = [70, 0, 30, 5, 64, 64, 1, 2, 3, 4, 50, 6]
+    parts = _parts(tmp_path, sizes)
+    whole = np.concatenate(parts)
+    for path in (tmp_path, str(tmp_path / "*.npy"), [tmp_path / f"{k}.npy" for k in range(12)]):
+        arr = rh_dask.read_npy(path, chunk_rows=32)
+        assert arr.shape == whole.shape
+        want = [min(32, n - s) for n in sizes for s in range(0, n, 32)]
+        assert list(arr.chunks[0]) == want
+        assert arr.compute().tobytes() == whole.tobytes()
+    first = [str(tmp_path / f"{k}.npy") for k in range(3)]
+    assert rh_dask.readers.npy_files(tmp_path)[:3] == first
+    # A list keeps its own order.
+    arr = rh_dask.read_npy([tmp_path / "2.npy", tmp_path / "0.npy"], chunk_rows=100)
+    assert arr.compute().tobytes() == np.concatenate([parts[2], parts[0]]).tobytes()
+
+
+def test_files_that_do_not_match_the_first_are_refused_naming_them(tmp_path):
+    _parts(tmp_path, [10, 10])
+    np.save(tmp_path / "2.npy", np.zeros((10, 4), dtype="float32"))
+    with pytest.raises(InputError, match=r"2\.npy.*shape past the rows") as info:
+        rh_dask.read_npy(tmp_path)
+    assert info.value.path.endswith("2.npy")
+    np.save(tmp_path / "2.npy", np.zeros((10, 3), dtype="float64"))
+    with pytest.raises(InputError, match=r"2\.npy.*float64"):
+        rh_dask.read_npy(tmp_path)
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(InputError, match=r"no \.npy files in directory"):
+        rh_dask.read_npy(empty)
+    with pytest.raises(InputError, match="no file matches"):
+        rh_dask.read_npy(str(tmp_path / "nothing-*.npy"))
+    with pytest.raises(InputError, match="at least one path"):
+        rh_dask.read_npy([])

@@ -19,6 +19,7 @@ The ring's directory is a fresh short directory per test (the listener's
 
 from __future__ import annotations
 
+import itertools
 import os
 import shutil
 import signal
@@ -283,6 +284,28 @@ def test_a_fit_from_npy_files_sends_chunks_from_the_files_and_equals_the_loop(
     assert model.placement_["relay_sendfile"] is sent
     ref = _loop(_row_blocks(X, y, w, [700] * 4 + [300]), dtype=dtype)
     _same(model, ref, assert_unchanged, snapshot)
+    assert _left(ring_dir) == []
+
+
+def test_a_fit_from_several_npy_files_sends_every_chunk_from_them(
+    client, ring_dir, tmp_path, snapshot, assert_unchanged
+):
+    import rh_dask
+
+    X, y, _ = _data(n=2_600, seed=16)
+    cuts = [0, 900, 1_000, 2_600]  # three files; chunks of 400 rows never span two
+    for k, (a, b) in enumerate(itertools.pairwise(cuts)):
+        np.save(tmp_path / f"X-{k}.npy", X[a:b])
+        np.save(tmp_path / f"y-{k}.npy", y[a:b])
+    Xd = rh_dask.read_npy(str(tmp_path / "X-*.npy"), chunk_rows=400)
+    yd = rh_dask.read_npy(str(tmp_path / "y-*.npy"), chunk_rows=400)
+    chunks = [400, 400, 100, 100, 400, 400, 400, 400]
+    assert list(Xd.chunks[0]) == chunks
+    model = RenewableHuberRegressor(loader="relay", lookahead=3, progress=False)
+    with dask.config.set({"rh-dask.relay.transport": "tcp"}):
+        model.fit(Xd, yd)
+    assert model.placement_["relay_sendfile"] is True
+    _same(model, _loop(_row_blocks(X, y, None, chunks)), assert_unchanged, snapshot)
     assert _left(ring_dir) == []
 
 
