@@ -258,6 +258,18 @@ def test_a_file_changed_or_gone_is_an_input_error_and_the_relay_keeps_serving(re
     _same(relay.ring.parts(relay.notes[-1])[0], item.X)
 
 
+def test_a_header_of_another_version_closes_that_connection_only(relay):
+    spec = relay.spec()
+    sock = push_module._connect(spec, relay.server.address)
+    push_module._send_frame(sock, (0, "arrays", [((3, 4), "<f4"), None, None]))  # 3 fields
+    sock.settimeout(10)
+    assert sock.recv(1) == b""  # the relay closed it, and wrote nothing
+    sock.close()
+    item = _chunk(0)
+    push_chunk(item, spec)
+    assert [n.index for n in relay.notes] == [0]
+
+
 def test_the_transport_setting(monkeypatch):
     import dask.config
 

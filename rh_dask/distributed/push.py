@@ -208,6 +208,8 @@ class PushServer:
                 _send_frame(sock, self._chunk(sock, header))
         except (OSError, EOFError, RingError, pickle.UnpicklingError) as exc:
             logger.debug("a chunk-push connection ended: %s", exc)
+        except (ValueError, TypeError) as exc:  # a header of another rh-dask version
+            logger.warning("a chunk-push connection sent a header this relay cannot read: %s", exc)
         finally:
             with self._lock:
                 if sock in self._conns:
