@@ -197,7 +197,9 @@ class RenewableHuberRegressor(RegressorMixin, BaseEstimator):
         resolved), ``engine``, ``lookahead`` and ``engine_reused`` (whether
         the worker still held an idle engine from an earlier fit, see
         :func:`rh_dask.distributed.release_engines`); with ``"relay"`` also
-        ``relays`` and ``loaders`` (worker addresses).
+        ``relays`` and ``loaders`` (worker addresses), ``relay_transport``
+        (``"tcp"`` or ``"dask"``) and ``relay_sendfile`` (whether chunks of
+        :func:`rh_dask.read_npy` files were sent from the files).
         ``None`` after an in-memory batch or a walk without a client.
 
     Examples
