@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The device runs that measure the GPU-side options (docs/gpu-engine.md, "Measured on
 # the H200"); rerun them after changing the kernels. Run from the repository root on
-# the H200 with Dask's wheels installed and PYTHONPATH set (docs/development.md, device
-# runs); results go to $OUT.
+# the H200 with Dask's wheels installed and PYTHONPATH set (docs/development.md, "Runs on
+# a GPU machine"); results go to $OUT.
 #
 #   bash benchmarks/device_pending.sh tests   # every GPU test, new ones included   (~4 min)
 #   bash benchmarks/device_pending.sh pool    # pinned pool: fresh estimators, host vs device
