@@ -12,6 +12,7 @@
 #   bash benchmarks/device_pending.sh numpy   # NumPy engine's BLAS threads on 16 cores vs the peer
 #   bash benchmarks/device_pending.sh scale   # issue 14: the cheap source, N = 1-8, ring locked or not
 #   bash benchmarks/device_pending.sh formats # issue 14: Parquet and Zarr, N = 2, 4, 8
+#   bash benchmarks/device_pending.sh plateau # issue 14: what holds the cheap source at 16-19 M rows/s
 #
 # Each part stays under one device call's 10 minutes. What to look for is in each
 # part's comment; a part that passes is the evidence for an option's default
@@ -103,8 +104,28 @@ formats)
         --loaders 2,4,8 --compare relay --repeats 2 --lookahead auto \
         --skip comm,relay-ceiling --output "$out/scale_out-formats.json" 2>&1 | grep -E "^N=|floor"
     ;;
+plateau)
+    # From N = 4 on, the cheap source stayed at 16-19 M rows/s with loaders 65-76 % and
+    # the engine 42-59 % busy (scale_out-h200-pread-sendfile*.json). One suspect at a
+    # time, N = 4, look-ahead 8, each against the baseline of the same machine: twice
+    # the relays, twice the engine worker's cores, the ring left pageable. A variant
+    # that lifts rows/s well past the baseline's spread names the bound.
+    common=(--engine gpu --sources pread --loaders 4 --compare relay --repeats 3
+        --lookahead 8 --skip comm,relay-ceiling)
+    for variant in base relays8 engine4 pageable; do
+        extra=()
+        case "$variant" in
+        relays8) extra=(--relays 8) ;;
+        engine4) extra=(--engine-cores 4) ;;
+        pageable) extra=(--config rh-dask.relay.pin-ring=false) ;;
+        esac
+        timeout 140 python benchmarks/scale_out.py "${common[@]}" "${extra[@]}" \
+            --output "$out/scale_out-plateau-$variant.json" 2>&1 | grep -E "^N=" \
+            | sed "s/^/$variant: /"
+    done
+    ;;
 *)
-    echo "usage: $0 tests|pool|loop|wide|sweep|numpy|scale|formats" >&2
+    echo "usage: $0 tests|pool|loop|wide|sweep|numpy|scale|formats|plateau" >&2
     exit 2
     ;;
 esac
