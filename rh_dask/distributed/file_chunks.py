@@ -31,7 +31,7 @@ from ..file_rows import FileRows
 from .graphs import bare_call
 from .items import BadChunk, ChunkSpec
 from .loading import assemble_chunk
-from .ring import PartLayout
+from .ring import PartLayout, part_views
 
 if TYPE_CHECKING:
     from .chunks import ChunkGraph
@@ -58,14 +58,6 @@ class FileChunk:
     index: int
     parts: tuple[FileRows | None, ...]
     spec: ChunkSpec
-
-    @property
-    def rows(self) -> int:
-        return int(self.parts[0].shape[0])  # type: ignore[union-attr]
-
-    @property
-    def nbytes(self) -> int:
-        return sum(p.nbytes for p in self.parts if p is not None)
 
 
 def file_chunk(plan: ChunkGraph, index: int, spec: ChunkSpec) -> FileChunk | None:
@@ -108,14 +100,6 @@ def file_chunk(plan: ChunkGraph, index: int, spec: ChunkSpec) -> FileChunk | Non
     return FileChunk(index, (X, y, w), spec)
 
 
-def _view(buffer: Any, base: int, part: PartLayout | None) -> np.ndarray | None:
-    if part is None:
-        return None
-    count = int(np.prod(part.shape, dtype=np.int64))
-    flat = np.frombuffer(buffer, dtype=part.dtype, count=count, offset=base + part.offset)
-    return flat.reshape(part.shape)
-
-
 def refusal(
     buffer: Any, base: int, parts: tuple[PartLayout | None, ...], spec: ChunkSpec
 ) -> BadChunk | None:
@@ -127,7 +111,7 @@ def refusal(
     the same chunk gives the same refusal whichever way it travelled. The
     arrays it looks at are views of ``buffer``: none is kept.
     """
-    X, y, w = (_view(buffer, base, p) for p in parts)
+    X, y, w = part_views(buffer, base, parts)
     item = assemble_chunk(X, y, w, spec)
     del X, y, w
     if not isinstance(item, BadChunk):

@@ -409,26 +409,21 @@ def push_chunk(item: ChunkItem, spec: PushSpec) -> int:
     return _push(item.index, lambda sock: _send_chunk(sock, item), spec)
 
 
-def _open_parts(chunk: FileChunk) -> list[Any]:
-    files: list[Any] = []
-    try:
-        for part in chunk.parts:
-            if part is None:
-                files.append(None)
-                continue
-            path = part.layout.path
-            try:
-                f = open(path, "rb", buffering=0)
-            except OSError as exc:
-                raise InputError(f"cannot open {path!r}: {exc}", path=path) from exc
-            files.append(f)
-            part.check_file(f.fileno())
-    except BaseException:
-        for f in files:
-            if f is not None:
-                f.close()
-        raise
-    return files
+def _open_parts(chunk: FileChunk, files: contextlib.ExitStack) -> list[Any]:
+    """The parts' files, open (closed with ``files``), each checked against its layout."""
+    opened: list[Any] = []
+    for part in chunk.parts:
+        if part is None:
+            opened.append(None)
+            continue
+        path = part.layout.path
+        try:
+            f = files.enter_context(open(path, "rb", buffering=0))
+        except OSError as exc:
+            raise InputError(f"cannot open {path!r}: {exc}", path=path) from exc
+        part.check_file(f.fileno())
+        opened.append(f)
+    return opened
 
 
 def _send_file_chunk(sock: socket.socket, chunk: FileChunk, files: list[Any]) -> tuple[str, Any]:
@@ -463,10 +458,6 @@ def push_file_chunk(chunk: FileChunk, spec: PushSpec) -> int:
     RingError
         When no relay takes the chunk.
     """
-    files = _open_parts(chunk)
-    try:
+    with contextlib.ExitStack() as stack:
+        files = _open_parts(chunk, stack)
         return _push(chunk.index, lambda sock: _send_file_chunk(sock, chunk, files), spec)
-    finally:
-        for f in files:
-            if f is not None:
-                f.close()

@@ -57,6 +57,7 @@ __all__ = [
     "RingWriter",
     "SlotNote",
     "default_directory",
+    "part_views",
     "slot_layout",
 ]
 
@@ -261,7 +262,10 @@ def _populate(buffer: mmap.mmap, start: int, length: int) -> None:
         pass  # an older kernel: the pages fault in as they are written
 
 
-def _views(buffer: Any, base: int, parts: Sequence[PartLayout | None]) -> list[np.ndarray | None]:
+def part_views(
+    buffer: Any, base: int, parts: Sequence[PartLayout | None]
+) -> list[np.ndarray | None]:
+    """The arrays ``parts`` lay out in ``buffer`` from ``base``, as views (``None``: no part)."""
     out: list[np.ndarray | None] = []
     for p in parts:
         if p is None:
@@ -277,7 +281,7 @@ def _copy_into(
     buffer: Any, base: int, parts: Sequence[PartLayout | None], arrays: Sequence[Any]
 ) -> None:
     """Copy ``arrays`` into ``buffer`` where ``parts`` lays them out (no view outlives it)."""
-    for dst, src in zip(_views(buffer, base, parts), arrays, strict=True):
+    for dst, src in zip(part_views(buffer, base, parts), arrays, strict=True):
         if dst is not None:
             np.copyto(dst, src, casting="no")
 
@@ -430,7 +434,7 @@ class ChunkRing:
         (the mapping lives as long as the views).
         """
         if note.overflow is None:
-            return _views(self._mapped.map, self._mapped.slot_base(note.slot), note.parts)
+            return part_views(self._mapped.map, self._mapped.slot_base(note.slot), note.parts)
         fd = os.open(note.overflow, os.O_RDONLY)
         try:
             size = os.fstat(fd).st_size
@@ -438,7 +442,7 @@ class ChunkRing:
         finally:
             os.close(fd)
             os.unlink(note.overflow)
-        return _views(mapped, 0, note.parts)
+        return part_views(mapped, 0, note.parts)
 
     def address_range(self) -> tuple[int, int]:
         """``(address, nbytes)`` of this process's mapping of the whole ring."""
