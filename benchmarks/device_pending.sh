@@ -108,16 +108,22 @@ plateau)
     # From N = 4 on, the cheap source stayed at 16-19 M rows/s with loaders 65-76 % and
     # the engine 42-59 % busy (scale_out-h200-pread-sendfile*.json). One suspect at a
     # time, N = 4, look-ahead 8, each against the baseline of the same machine: twice
-    # the relays, twice the engine worker's cores, the ring left pageable. A variant
-    # that lifts rows/s well past the baseline's spread names the bound.
+    # the relays, twice the engine worker's cores, the ring left pageable, twice the
+    # look-ahead. A variant that lifts rows/s well past the baseline's spread names the
+    # bound; each line ends with the chunk timeline's median/p90 ms (send: the hand-over
+    # task, turn: received until consumed, refill: window freed until the next task).
+    #   bash benchmarks/device_pending.sh plateau [base relays8 engine4 pageable l16]
     common=(--engine gpu --sources pread --loaders 4 --compare relay --repeats 3
-        --lookahead 8 --skip comm,relay-ceiling)
-    for variant in base relays8 engine4 pageable; do
-        extra=()
+        --skip comm,relay-ceiling)
+    variants=("${@:2}")
+    [ ${#variants[@]} -eq 0 ] && variants=(base relays8 engine4 pageable l16)
+    for variant in "${variants[@]}"; do
+        extra=(--lookahead 8)
         case "$variant" in
-        relays8) extra=(--relays 8) ;;
-        engine4) extra=(--engine-cores 4) ;;
-        pageable) extra=(--config rh-dask.relay.pin-ring=false) ;;
+        relays8) extra+=(--relays 8) ;;
+        engine4) extra+=(--engine-cores 4) ;;
+        pageable) extra+=(--config rh-dask.relay.pin-ring=false) ;;
+        l16) extra=(--lookahead 16) ;;
         esac
         timeout 140 python benchmarks/scale_out.py "${common[@]}" "${extra[@]}" \
             --output "$out/scale_out-plateau-$variant.json" 2>&1 | grep -E "^N=" \

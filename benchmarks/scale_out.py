@@ -44,6 +44,7 @@ import argparse
 import json
 import math
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -863,9 +864,109 @@ def run_fit(
         "placement": model.placement_,
         "peak_rss": mem,
         "task_stream": task_breakdown(stream.data, wall, clock0),
+        "chunk_timeline": chunk_timeline(
+            stream.data,
+            history["seconds"].to_numpy(),
+            history["wait_seconds"].to_numpy(),
+            params["lookahead"],
+            clock0,
+        ),
         "_coef": model.state_.coefficients,
         "_rows": [int(r) for r in history["rows"]],
     }
+
+
+_HAND_OVER = ("rh-sendfile", "rh-push", "rh-relay", "rh-deliver")
+
+
+def _chunk_index(key: Any) -> int | None:
+    if isinstance(key, tuple) and key and isinstance(key[-1], int):
+        return key[-1]
+    match = re.search(r"(\d+)\)?$", str(key))
+    return int(match.group(1)) if match else None
+
+
+def chunk_timeline(
+    records: list[dict[str, Any]],
+    seconds: np.ndarray,
+    waits: np.ndarray,
+    lookahead: int,
+    clock0: float,
+) -> dict[str, Any]:
+    """Where a chunk's round trip goes: hand-over task, wait for its turn, refill gap.
+
+    Each chunk's hand-over task (``rh-sendfile``, ``rh-push``, ...) gives its
+    start and stop from the task stream. The engine's consumption of chunk
+    ``k`` is placed from ``history_``: it starts after the waits and engine
+    times of the chunks before it, anchored so that no chunk is consumed
+    before its hand-over ended (the tightest chunk, where the engine waited,
+    fixes the anchor; its note's latency is the error). Per chunk ``i``:
+    ``send`` (the task's span), ``turn`` (from the task's end to the start of
+    its consumption: the chunk waits in the ring for the ones before it) and,
+    for ``i >= lookahead``, ``refill`` (from the end of chunk ``i - lookahead``'s
+    consumption, which frees the window, to the start of chunk ``i``'s task:
+    the poll, the submission, the scheduler and the loader's queue).
+    Milliseconds, median and 90th percentile.
+    """
+    spans: dict[int, tuple[float, float, str]] = {}
+    for record in records:
+        key = record.get("key", "?")
+        if not any(name in str(key) for name in _HAND_OVER):
+            continue
+        index = _chunk_index(key)
+        parts = [p for p in record.get("startstops", ()) if p.get("action") == "compute"]
+        if index is None or not parts:
+            continue
+        spans[index] = (
+            float(parts[0]["start"]) - clock0,
+            float(parts[-1]["stop"]) - clock0,
+            str(record.get("worker", "?")),
+        )
+    n = len(seconds)
+    if not spans or n == 0:
+        return {}
+    begin = np.cumsum(waits) + np.concatenate([[0.0], np.cumsum(seconds)[:-1]])
+    anchor = max(spans[i][1] - begin[i] for i in spans if i < n)
+    consume_start = anchor + begin
+    consume_end = consume_start + seconds
+    send, turn, refill = [], [], []
+    for i, (start, stop, _) in sorted(spans.items()):
+        if i >= n:
+            continue
+        send.append(stop - start)
+        turn.append(consume_start[i] - stop)
+        if i >= lookahead:
+            refill.append(start - consume_end[i - lookahead])
+
+    def summary(values: list[float]) -> dict[str, float] | None:
+        if not values:
+            return None
+        v = np.asarray(values) * 1e3
+        return {"median_ms": float(np.median(v)), "p90_ms": float(np.percentile(v, 90))}
+
+    return {
+        "chunks": len(send),
+        "send": summary(send),
+        "turn": summary(turn),
+        "refill": summary(refill),
+        "engine": summary(list(seconds)),
+        "engine_start_seconds": float(anchor),
+        "per_chunk_ms": {
+            "send": [round(v * 1e3, 2) for v in send],
+            "turn": [round(v * 1e3, 2) for v in turn],
+            "refill": [round(v * 1e3, 2) for v in refill],
+        },
+    }
+
+
+def chunk_timeline_line(timeline: dict[str, Any]) -> str:
+    """`` send 30/41 turn ...``: median/p90 ms of each part of :func:`chunk_timeline`."""
+    parts = []
+    for name in ("send", "turn", "refill", "engine"):
+        v = timeline.get(name)
+        if v:
+            parts.append(f"{name} {v['median_ms']:.1f}/{v['p90_ms']:.1f}")
+    return (" ms " + " ".join(parts)) if parts else ""
 
 
 def task_breakdown(
@@ -949,8 +1050,9 @@ def fits_for(
             run = partial(run_fit, args, inputs[:2], small[:2], loader, engine_addr, memory, n)
             guarded(record, loader, run)
             result = record[loader]
+            line = chunk_timeline_line(result.get("chunk_timeline") or {})
             print(
-                f"N={entry['n_loaders']} {source} {loader}: {result.get('wall_seconds')}",
+                f"N={entry['n_loaders']} {source} {loader}: {result.get('wall_seconds')}{line}",
                 flush=True,
             )
 
