@@ -82,13 +82,15 @@ numpy)
         --output "$out/numpy_engine-h200-threads.json" 2>&1 | tail -17
     ;;
 scale)
-    # The cheap source read with rh_dask.read_npy: relay (chunks sent from the page cache
-    # with sendfile, one rh-sendfile task each) against relay-pread (read into the loading
-    # worker, then sent) at every N, three timed fits each after the untimed whole warm-up;
-    # lookahead max(8, 2 N). Coefficients bit-identical; target 18 M rows/s at N = 4
-    # (docs/performance.md, Scale-out).
-    timeout 560 python benchmarks/scale_out.py --engine gpu --sources pread --loaders 1,2,4,8 \
-        --compare relay,relay-pread --repeats 3 --lookahead auto --skip comm,relay-ceiling \
+    # The cheap source read with rh_dask.read_npy, chunks sent with sendfile: relay (the
+    # ring kept with the parked engine between fits, rh-dask.relay.keep-ring) against
+    # relay-fresh (a fresh ring every fit: its first chunk into each slot cost its relay
+    # 105-123 ms against 31-35, scale_out-plateau-*.json) at every N, three timed fits
+    # each after the untimed whole warm-up; lookahead max(8, 2 N). Coefficients
+    # bit-identical; targets 18 M rows/s at N = 4 and 0.8 x N x floor (docs/performance.md,
+    # Scale-out).
+    timeout 590 python benchmarks/scale_out.py --engine gpu --sources pread --loaders 1,2,4,8 \
+        --compare relay,relay-fresh --repeats 3 --lookahead auto --skip comm,relay-ceiling \
         --output "$out/scale_out-pread.json" 2>&1 | grep -E "^N=|floor|n4"
     ;;
 formats)

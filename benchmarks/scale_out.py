@@ -87,13 +87,16 @@ SOURCES = ("pread", "parquet", "zarr")
 #: false``: each chunk copied into the engine's pinned pool), to compare.
 #: "relay-pread" the TCP relay with ``rh-dask.relay.sendfile: false``: the ``pread``
 #: source's chunks are read into the loading worker and sent from there, where
-#: "relay" sends them from the page cache with ``sendfile``.
+#: "relay" sends them from the page cache with ``sendfile``. "relay-fresh" the TCP
+#: relay with ``rh-dask.relay.keep-ring: false``: every fit makes its own ring, where
+#: "relay" takes the one the previous fit left with the parked engine.
 FIT_LOADERS = ("relay", "relay-dask", "cluster", "actor")
 RELAY_CONFIG = {
     "relay": {"rh-dask.relay.transport": "tcp"},
     "relay-pread": {"rh-dask.relay.transport": "tcp", "rh-dask.relay.sendfile": False},
     "relay-dask": {"rh-dask.relay.transport": "dask"},
     "relay-copy": {"rh-dask.relay.transport": "tcp", "rh-dask.relay.pin-ring": False},
+    "relay-fresh": {"rh-dask.relay.transport": "tcp", "rh-dask.relay.keep-ring": False},
 }
 BENCH_DIR = Path(__file__).resolve().parent
 REPO_ROOT = BENCH_DIR.parent

@@ -349,6 +349,11 @@ class Settings:
         ``rh-dask.relay.pin-ring``: a GPU engine's process page-locks the
         ring so that the engine copies chunks to its device straight from
         their slots (no host copy in its process).
+    relay_keep_ring : bool
+        ``rh-dask.relay.keep-ring``: after a clean stream the engine's worker
+        keeps its ring with its parked engine (``engine_keep``), and the next
+        stream of the same ring shape takes it, already allocated and
+        page-locked; its file keeps its name meanwhile.
     relay_sendfile : bool
         ``rh-dask.relay.sendfile``: with the TCP transport, a chunk whose
         parts are :func:`~rh_dask.read_npy` arrays used as they are goes from
@@ -403,6 +408,7 @@ class Settings:
     relay_heap_for_chunks: bool = False
     relay_transport: str = "auto"
     relay_pin_ring: bool = True
+    relay_keep_ring: bool = True
     relay_sendfile: bool = True
     auto_calibrate: bool = True
     auto_probe_rows: int = 131_072
@@ -479,6 +485,7 @@ _KEYS: dict[str, tuple[str, Callable[[str, Any], Any]]] = {
     "relay_heap_for_chunks": ("rh-dask.relay.heap-for-chunks", _flag),
     "relay_transport": ("rh-dask.relay.transport", _transport),
     "relay_pin_ring": ("rh-dask.relay.pin-ring", _flag),
+    "relay_keep_ring": ("rh-dask.relay.keep-ring", _flag),
     "relay_sendfile": ("rh-dask.relay.sendfile", _flag),
     "auto_calibrate": ("rh-dask.engine.auto.calibrate", _flag),
     "auto_probe_rows": ("rh-dask.engine.auto.probe-rows", _count),

@@ -922,6 +922,8 @@ def test_relayed_fit_on_a_gpu_worker_equals_the_loop(tmp_path):
             model.fit(Xd, yd)
             assert model.placement_["loader"] == "relay"
             assert len(model.placement_["relays"]) == 2
+            # The second fit takes the ring (page-locked) kept with the parked engine.
+            assert model.placement_["relay_ring_reused"] is (loader == "auto")
             np.testing.assert_array_equal(model.state_.coefficients, ref.state_.coefficients)
             np.testing.assert_array_equal(model.coef_history_, ref.coef_history_)
         # The device's finiteness check refuses a relayed chunk, naming it.
@@ -951,6 +953,9 @@ def test_relayed_fit_on_a_gpu_worker_equals_the_loop(tmp_path):
                 rh_dask.read_npy(tmp_path / "X_bad.npy", chunk_rows=5_000), yf
             )
         assert model.state_.batch_count == 5 and model.placement_["relay_sendfile"] is True
+        from rh_dask.distributed import release_engines
+
+        release_engines(client)  # closes the parked engines and the rings kept with them
     assert not [p for p in tmp_path.iterdir() if p.name.startswith("rh-dask-ring")]
 
 

@@ -37,6 +37,7 @@ from distributed import Client, Nanny, Scheduler, SpecCluster, Worker
 from threadpoolctl import threadpool_limits
 
 from rh_dask import BadChunkError, RenewableHuberRegressor, StreamError, ValidationError
+from rh_dask.distributed import shelf
 from rh_dask.distributed.consumer import STREAM_BLAS_THREADS
 from rh_dask.distributed.placement import (
     WorkerInfo,
@@ -45,6 +46,7 @@ from rh_dask.distributed.placement import (
     relay_candidates,
 )
 from rh_dask.distributed.ring import ChunkRing, RingError
+from rh_dask.distributed.shelf import release_engines
 from rh_dask.engines import NumpyEngine
 
 pytestmark = pytest.mark.timeout(120)
@@ -136,7 +138,16 @@ def _same(a, b, assert_unchanged, snapshot):
     assert a.coef_history_.tobytes() == b.coef_history_.tobytes()
 
 
-def _left(directory) -> list[str]:
+def _left(directory, client=None) -> list[str]:
+    """Ring files in ``directory``; with ``client``, once the parked engines (and the
+    rings kept with them, ``rh-dask.relay.keep-ring``) are released."""
+    if client is not None:
+        release_engines(client)
+    shelf.clear()  # engines parked by this process's own (in-process) workers
+    return _rings(directory)
+
+
+def _rings(directory) -> list[str]:
     return sorted(n for n in os.listdir(directory) if n.startswith("rh-dask-ring-"))
 
 
@@ -201,7 +212,69 @@ def test_relay_fit_equals_partial_fit_loop(
     assert model.coef_.dtype == np.dtype(dtype)
     ref = _loop(_row_blocks(X, y, w, chunks), dtype=dtype)
     _same(model, ref, assert_unchanged, snapshot)
-    assert _left(ring_dir) == []
+    assert _left(ring_dir, client) == []
+
+
+@pytest.mark.parametrize("transport", ["tcp", "dask"])
+def test_the_next_fit_takes_the_kept_ring_and_fits_the_same(
+    client, ring_dir, transport, snapshot, assert_unchanged
+):
+    release_engines(client)
+    X, y, w = _data(n=3_000, seed=31, weights=True)
+    chunks = (800, 700, 900, 600)
+    Xd, yd, wd = _arrays(X, y, w, chunks)
+    ref = _loop(_row_blocks(X, y, w, chunks))
+    reused = []
+    with dask.config.set({"rh-dask.relay.transport": transport}):
+        for _ in range(3):
+            model = RenewableHuberRegressor(loader="relay", lookahead=3, progress=False)
+            model.fit(Xd, yd, sample_weight=wd)
+            reused.append(model.placement_["relay_ring_reused"])
+            _same(model, ref, assert_unchanged, snapshot)
+            # Kept with the parked engine: one ring, named, between the fits.
+            assert len(_rings(ring_dir)) == 1
+        # Another look-ahead makes another ring; the kept one is closed.
+        other = RenewableHuberRegressor(loader="relay", lookahead=2, progress=False)
+        other.fit(Xd, yd, sample_weight=wd)
+        assert other.placement_["relay_ring_reused"] is False
+        _same(other, ref, assert_unchanged, snapshot)
+        assert len(_rings(ring_dir)) == 1
+    assert reused == [False, True, True]
+    assert _left(ring_dir, client) == []
+
+
+def test_keep_ring_off_leaves_nothing_after_each_fit(client, ring_dir, snapshot, assert_unchanged):
+    release_engines(client)
+    X, y, _ = _data(n=2_000, seed=32)
+    Xd, yd, _ = _arrays(X, y, None, (500,) * 4)
+    ref = _loop(_row_blocks(X, y, None, [500] * 4))
+    with dask.config.set({"rh-dask.relay.keep-ring": False}):
+        for _ in range(2):
+            model = RenewableHuberRegressor(loader="relay", lookahead=2, progress=False)
+            model.fit(Xd, yd)
+            assert model.placement_["relay_ring_reused"] is False
+            _same(model, ref, assert_unchanged, snapshot)
+            assert os.listdir(ring_dir) == []
+    release_engines(client)
+
+
+def test_a_refused_chunk_keeps_no_ring_and_the_next_fit_is_right(
+    client, ring_dir, snapshot, assert_unchanged
+):
+    release_engines(client)
+    X, y, _ = _data(n=2_000, seed=33)
+    Xd, yd, _ = _arrays(X, y, None, (500,) * 4)
+    good = RenewableHuberRegressor(loader="relay", lookahead=2, progress=False).fit(Xd, yd)
+    bad_X = X.copy()
+    bad_X[1200, 2] = np.nan
+    bad = RenewableHuberRegressor(loader="relay", lookahead=2, progress=False)
+    with pytest.raises(BadChunkError):
+        bad.fit(*_arrays(bad_X, y, None, (500,) * 4)[:2])
+    assert _rings(ring_dir) == []  # the failed stream's ring was closed
+    again = RenewableHuberRegressor(loader="relay", lookahead=2, progress=False).fit(Xd, yd)
+    assert again.placement_["relay_ring_reused"] is False
+    np.testing.assert_array_equal(again.coef_, good.coef_)
+    assert _left(ring_dir, client) == []
 
 
 def test_relay_fit_of_a_dataframe_with_a_target_column(
@@ -221,7 +294,7 @@ def test_relay_fit_of_a_dataframe_with_a_target_column(
     ref = _loop([(p[feats], p["target"], p["w"]) for p in parts])
     assert list(model.feature_names_in_) == feats
     _same(model, ref, assert_unchanged, snapshot)
-    assert _left(ring_dir) == []
+    assert _left(ring_dir, client) == []
 
 
 def test_auto_picks_relay_on_a_cluster_built_for_it(client, ring_dir, snapshot, assert_unchanged):
@@ -230,7 +303,7 @@ def test_auto_picks_relay_on_a_cluster_built_for_it(client, ring_dir, snapshot, 
     model = RenewableHuberRegressor(progress=False, lookahead=2).fit(Xd, yd)
     _assert_roles(model, client)
     _same(model, _loop(_row_blocks(X, y, None, [500] * 3)), assert_unchanged, snapshot)
-    assert _left(ring_dir) == []
+    assert _left(ring_dir, client) == []
 
 
 def _slow_early(block, block_info=None):
@@ -249,7 +322,7 @@ def test_order_kept_when_later_chunks_finish_first(client, ring_dir, snapshot, a
     model.fit(Xd, da.from_array(y, chunks=500))
     assert model.history_["chunk"].tolist() == list(range(6))
     _same(model, _loop(_row_blocks(X, y, None, [500] * 6)), assert_unchanged, snapshot)
-    assert _left(ring_dir) == []
+    assert _left(ring_dir, client) == []
 
 
 # -- chunks sent from .npy files --------------------------------------------------------------
@@ -284,7 +357,7 @@ def test_a_fit_from_npy_files_sends_chunks_from_the_files_and_equals_the_loop(
     assert model.placement_["relay_sendfile"] is sent
     ref = _loop(_row_blocks(X, y, w, [700] * 4 + [300]), dtype=dtype)
     _same(model, ref, assert_unchanged, snapshot)
-    assert _left(ring_dir) == []
+    assert _left(ring_dir, client) == []
 
 
 def test_a_fit_from_several_npy_files_sends_every_chunk_from_them(
@@ -306,7 +379,7 @@ def test_a_fit_from_several_npy_files_sends_every_chunk_from_them(
         model.fit(Xd, yd)
     assert model.placement_["relay_sendfile"] is True
     _same(model, _loop(_row_blocks(X, y, None, chunks)), assert_unchanged, snapshot)
-    assert _left(ring_dir) == []
+    assert _left(ring_dir, client) == []
 
 
 def test_npy_chunks_of_another_dtype_or_sliced_load_as_tasks(
@@ -330,7 +403,7 @@ def test_npy_chunks_of_another_dtype_or_sliced_load_as_tasks(
         assert sliced.placement_["relay_sendfile"] is False
     ref = _loop(_row_blocks(X[:, :4], y, None, [500] * 4))
     _same(sliced, ref, assert_unchanged, snapshot)
-    assert _left(ring_dir) == []
+    assert _left(ring_dir, client) == []
 
 
 @pytest.mark.parametrize("problem", ["nan", "negative weight"])
@@ -354,7 +427,7 @@ def test_a_bad_npy_chunk_is_refused_by_the_relay_and_changes_nothing(
     assert model.placement_["relay_sendfile"] is True
     # The two chunks in front of it were fitted; nothing of chunk 2.
     _same(model, _loop(blocks[:1] + blocks[:2]), assert_unchanged, snapshot)
-    assert _left(ring_dir) == []
+    assert _left(ring_dir, client) == []
 
 
 def test_a_npy_file_changed_under_the_fit_names_the_chunk_and_the_file(
@@ -368,7 +441,7 @@ def test_a_npy_file_changed_under_the_fit_names_the_chunk_and_the_file(
         with pytest.raises(StreamError, match=r"chunk 0 could not be loaded.*y\.npy.*changed"):
             model.fit(Xd, yd)
     assert not hasattr(model, "coef_")
-    assert _left(ring_dir) == []
+    assert _left(ring_dir, client) == []
 
 
 # -- the memory bound -----------------------------------------------------------------------
@@ -433,7 +506,7 @@ def test_no_chunk_loads_before_the_ring_has_room_for_it(client, ring_dir, monkey
     # One slot holds the largest chunk (X, y and room for a weight column), no more.
     needed = rows * 5 * 8 + rows * 8
     assert needed <= spec.slot_bytes <= needed + rows * 8 + 3 * 64 + 4096
-    assert _left(ring_dir) == []
+    assert _left(ring_dir, client) == []
 
 
 def test_a_ring_of_one_slot(client, ring_dir, snapshot, assert_unchanged):
@@ -442,7 +515,7 @@ def test_a_ring_of_one_slot(client, ring_dir, snapshot, assert_unchanged):
     Xd, yd, _ = _arrays(X, y, None, (400,) * 5)
     model = RenewableHuberRegressor(loader="relay", lookahead=1, progress=False).fit(Xd, yd)
     _same(model, _loop(_row_blocks(X, y, None, [400] * 5)), assert_unchanged, snapshot)
-    assert _left(ring_dir) == []
+    assert _left(ring_dir, client) == []
 
 
 def test_chunks_larger_than_a_slot_go_through_files(client, ring_dir, snapshot, assert_unchanged):
@@ -452,7 +525,7 @@ def test_chunks_larger_than_a_slot_go_through_files(client, ring_dir, snapshot, 
         model = RenewableHuberRegressor(loader="relay", lookahead=2, progress=False)
         model.fit(Xd, yd, sample_weight=wd)
     _same(model, _loop(_row_blocks(X, y, w, [600] * 4)), assert_unchanged, snapshot)
-    assert _left(ring_dir) == []
+    assert _left(ring_dir, client) == []
 
 
 # -- bad input on this path ---------------------------------------------------------------
@@ -472,7 +545,7 @@ def test_bad_chunk_stops_in_front_of_it_then_partial_fit_continues(
     model.partial_fit(da.from_array(X[1_000:], chunks=(500, 5)), da.from_array(y[1_000:], 500))
     assert model.placement_["loader"] == "relay"
     _same(model, _loop(blocks), assert_unchanged, snapshot)
-    assert _left(ring_dir) == []
+    assert _left(ring_dir, client) == []
 
 
 def _fail_chunk_3(block, block_info=None):
@@ -491,7 +564,7 @@ def test_a_failing_load_names_the_chunk(client, ring_dir, snapshot, assert_uncha
         model.fit(Xd, da.from_array(y, chunks=500))
     assert type(info.value) is StreamError and info.value.chunk_index == 3
     _same(model, _loop(_row_blocks(X, y, None, [500] * 3)), assert_unchanged, snapshot)
-    assert _left(ring_dir) == []
+    assert _left(ring_dir, client) == []
 
 
 @pytest.mark.parametrize("transport", ["tcp", "dask"])
@@ -517,7 +590,7 @@ def test_a_full_ring_directory_at_a_slots_first_write_stops_the_fit_there(
         model.fit(da.from_array(X, chunks=(500, 5)), da.from_array(y, chunks=500))
     assert info.value.chunk_index == 2
     _same(model, _loop(_row_blocks(X, y, None, [500] * 2)), assert_unchanged, snapshot)
-    assert _left(ring_dir) == []
+    assert _left(ring_dir, client) == []
 
 
 def test_a_refused_fit_keeps_the_fitted_model(client, ring_dir, snapshot, assert_unchanged):
@@ -537,7 +610,7 @@ def test_a_refused_fit_keeps_the_fitted_model(client, ring_dir, snapshot, assert
         assert_unchanged(before, snapshot(model))
         pd.testing.assert_frame_equal(model.history_, history)
         assert model.placement_ == placement
-    assert _left(ring_dir) == []
+    assert _left(ring_dir, client) == []
 
 
 def test_a_missing_ring_directory_refuses_the_fit_and_keeps_the_model(
@@ -627,7 +700,7 @@ def test_a_resumed_relay_walk_starts_its_ring_at_the_checkpoint(
     assert starts == [4]
     assert model.history_["chunk"].tolist() == list(range(8))
     _same(model, _loop(_row_blocks(X, y, None, [250] * 8)), assert_unchanged, snapshot)
-    assert _left(ring_dir) == []
+    assert _left(ring_dir, client) == []
 
 
 # -- clusters that cannot relay -----------------------------------------------------------------
@@ -708,7 +781,7 @@ def test_relay_fit_on_worker_processes(process_cluster, ring_dir, snapshot, asse
         model.fit(Xd, yd, sample_weight=wd)
         _assert_roles(model, c)
     _same(model, _loop(_row_blocks(X, y, w, chunks)), assert_unchanged, snapshot)
-    assert _left(ring_dir) == []
+    assert _left(ring_dir, c) == []
     # The relays let go of the ring once the stream ended.
     from rh_dask.distributed.relay import attached_rings
 
@@ -777,7 +850,7 @@ def test_losing_a_relay_mid_fit_still_gives_the_same_fit(
         os.kill(pids[victim], 0)
     assert model.placement_["relay_transport"] == "dask"
     _same(model, _loop(_row_blocks(X, y, None, [200] * 12)), assert_unchanged, snapshot)
-    assert _left(ring_dir) == []
+    assert _left(ring_dir, c) == []
 
 
 def _pushed(dask_scheduler=None) -> int:
@@ -834,4 +907,4 @@ def test_losing_a_relay_mid_fit_over_tcp_still_gives_the_same_fit(
     with pytest.raises(ProcessLookupError):
         os.kill(pids[victim], 0)
     _same(model, _loop(_row_blocks(X, y, None, [200] * 12)), assert_unchanged, snapshot)
-    assert _left(ring_dir) == []
+    assert _left(ring_dir, c) == []

@@ -374,6 +374,113 @@ def test_seal_removes_the_name_and_attached_writers_still_work(tmp_path):
     assert _names(tmp_path) == []
 
 
+# -- a ring kept for later streams -----------------------------------------------------
+def test_a_kept_ring_renewed_takes_the_next_stream_in_the_same_memory(tmp_path):
+    r = ChunkRing.create(str(tmp_path), n_slots=2, slot_bytes=1 << 14, keep=True)
+    old = RingWriter.attach(r.spec)
+    try:
+        first = r.spec
+        assert r.renewable and first.reused == 0
+        X, y, sw = _chunk(100, 4, "float32")
+        held = r.parts(old.write(0, [X, y, sw]))
+        r.release(0)
+        r.seal()  # a kept ring keeps its name for the next stream's relays
+        assert _names(tmp_path) == [os.path.basename(first.path)]
+        address = r.address_range()
+        spec = r.renew(start=5)
+        assert spec is not None and spec is r.spec and spec.reused == 1
+        assert spec.path == first.path and r.address_range() == address
+        for field in ("ring_id", "socket", "token", "authkey"):
+            assert getattr(spec, field) != getattr(first, field)
+        assert spec.start == 5 and list(r._mapped.owner) == [6, 5]
+        # A relay of the ended stream writes nothing into it any more.
+        with pytest.raises(RingError, match="serves another stream"):
+            old.write(6, [X, y, sw])
+        # One of the new stream attaches by the same name and writes.
+        new = RingWriter.attach(spec)
+        try:
+            X2, y2, sw2 = _chunk(120, 4, "float32", seed=3)
+            note = new.write(5, [X2, y2, sw2])
+            assert note is not None and note.slot == 1
+            for part, want in zip(r.parts(note), [X2, y2, sw2], strict=True):
+                _same(part, want)
+            # The old stream's note, still held, was not touched (slot 0).
+            for part, want in zip(held, [X, y, sw], strict=True):
+                _same(part, want)
+        finally:
+            new.close()
+        # An old spec cannot attach: its token is gone.
+        with pytest.raises(RingError, match="token differs"):
+            RingWriter.attach(first)
+    finally:
+        old.close()
+        r.close()
+    assert _names(tmp_path) == []  # close removes the kept name
+
+
+def test_a_ring_not_kept_cannot_be_renewed(tmp_path):
+    r = ChunkRing.create(str(tmp_path), n_slots=2, slot_bytes=4096)
+    try:
+        assert not r.renewable
+        with pytest.raises(RingError, match="cannot serve another stream"):
+            r.renew(0)
+    finally:
+        r.close()
+    kept = ChunkRing.create(str(tmp_path), n_slots=2, slot_bytes=4096, keep=True)
+    kept.close()
+    assert not kept.renewable
+
+
+def test_renew_gives_up_on_a_slot_a_write_still_holds(tmp_path, monkeypatch):
+    monkeypatch.setattr(ring_module, "_RENEW_WAIT_SECONDS", 0.1)
+    r = ChunkRing.create(str(tmp_path), n_slots=2, slot_bytes=4096, keep=True)
+    try:
+        before = r.spec
+        held, go = threading.Event(), threading.Event()
+
+        def hold() -> None:
+            with r._mapped.locked(1):
+                held.set()
+                go.wait(5)
+
+        thread = threading.Thread(target=hold, daemon=True)
+        thread.start()
+        assert held.wait(5)
+        assert r.renew(3) is None
+        assert r.spec is before and list(r._mapped.owner) == [0, 1]  # unchanged
+        go.set()
+        thread.join(5)
+        assert r.renew(3) is not None
+    finally:
+        r.close()
+
+
+def test_making_a_ring_removes_orphaned_rings_only(tmp_path):
+    d = str(tmp_path)
+    orphan = tmp_path / "rh-dask-ring-orphan"
+    young = tmp_path / "rh-dask-ring-young"
+    held = tmp_path / "rh-dask-ring-held"
+    overflow = tmp_path / "rh-dask-ring-orphan.x3.abcd"
+    other = tmp_path / "not-a-ring"
+    for f in (orphan, young, held, overflow, other):
+        f.write_bytes(b"x" * 64)
+    past = time.time() - 3600
+    for f in (orphan, held, overflow, other):
+        os.utime(f, (past, past))
+    fd = os.open(held, os.O_RDONLY)
+    try:
+        import fcntl
+
+        fcntl.flock(fd, fcntl.LOCK_SH)  # a live ring's maker holds it
+        r = ChunkRing.create(d, n_slots=1, slot_bytes=4096, keep=True)
+        r.close()
+    finally:
+        os.close(fd)
+    assert _names(tmp_path) == sorted(
+        ["not-a-ring", "rh-dask-ring-held", "rh-dask-ring-orphan.x3.abcd", "rh-dask-ring-young"]
+    )
+
+
 def test_attach_refuses_a_file_that_is_not_the_ring(tmp_path):
     r = ChunkRing.create(str(tmp_path), n_slots=2, slot_bytes=4096)
     try:

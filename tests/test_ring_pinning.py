@@ -9,6 +9,7 @@ before it is unmapped.
 
 from __future__ import annotations
 
+import os
 import threading
 
 import numpy as np
@@ -231,3 +232,82 @@ def test_the_actor_skips_the_pinned_copy_for_chunks_in_a_locked_ring(tmp_path, p
         assert ("unregister" in pool.log) == pin_ring
     finally:
         actor.close()
+
+
+def test_a_kept_ring_stays_locked_for_the_next_stream_of_its_shape(tmp_path):
+    from rh_dask.config import HuberConfig
+    from rh_dask.distributed import shelf
+    from rh_dask.distributed.actor import EngineActor
+    from rh_dask.settings import Settings
+
+    settings = Settings(relay_directory=str(tmp_path), engine_keep=30.0)
+    pool = _Pool()
+
+    def actor() -> EngineActor:
+        made = EngineActor("numpy", HuberConfig(), settings=settings)
+        made._pool = pool
+        return made
+
+    shelf.clear()
+    first = actor()
+    try:
+        spec = first.open_relay("s1", 0, 2, 1 << 16)
+        first._ring_pin._done.wait(10)
+        registered = [e for e in pool.log if e[0] == "register"]
+        assert len(registered) == 2 and spec.reused == 0
+        first._close_relay(keep=True)
+        first.close()  # parked with its engine, the ring with it
+        assert shelf.parked() == 1 and pool.log.count("unregister") == 0
+        assert len(os.listdir(tmp_path)) == 1
+
+        second = actor()
+        assert second.reused
+        renewed = second.open_relay("s2", 4, 2, 1 << 16)
+        assert renewed.reused == 1 and renewed.path == spec.path
+        assert renewed.ring_id != spec.ring_id and renewed.token != spec.token
+        # The same locked memory: nothing registered again, chunks need no copy.
+        assert [e for e in pool.log if e[0] == "register"] == registered
+        ring, _ = second._relay
+        writer = RingWriter.attach(renewed)
+        try:
+            item = _ring_chunk(ring, writer, 4)
+            assert second._ring_pin.holds(item)
+        finally:
+            writer.close()
+        del item
+        second._close_relay(keep=True)
+        second.close()
+
+        # Another shape: the kept ring is closed (unlocked first), a new one made.
+        third = actor()
+        other = third.open_relay("s3", 0, 3, 1 << 16)
+        assert other.reused == 0 and other.path != spec.path
+        assert pool.log.count("unregister") == 2
+        assert os.listdir(tmp_path) == [os.path.basename(other.path)]
+        third._close_relay(keep=True)
+        third.close()
+    finally:
+        shelf.clear()  # closes the parked engine and the ring kept with it
+    assert os.listdir(tmp_path) == []
+    assert pool.log.count("unregister") == 5
+
+
+def test_a_stream_that_failed_keeps_no_ring(tmp_path):
+    from rh_dask.config import HuberConfig
+    from rh_dask.distributed import shelf
+    from rh_dask.distributed.actor import EngineActor
+    from rh_dask.settings import Settings
+
+    shelf.clear()
+    for keep_ring in (True, False):
+        settings = Settings(
+            relay_directory=str(tmp_path), engine_keep=30.0, relay_keep_ring=keep_ring
+        )
+        actor = EngineActor("numpy", HuberConfig(), settings=settings)
+        try:
+            actor.open_relay("s", 0, 2, 1 << 16)
+            actor._close_relay(keep=not keep_ring)  # a failed stream passes keep=False
+            assert os.listdir(tmp_path) == []
+        finally:
+            actor.close()
+            shelf.clear()

@@ -33,6 +33,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import mmap
+import os
 from collections.abc import Callable
 from typing import Any
 
@@ -119,6 +120,10 @@ class EngineActor:
         self._feeder: ChunkFeeder | None = None
         self._relay: tuple[ChunkRing, RelayReceiver] | None = None
         self._ring_pin: RingPinning | None = None
+        # The ring an earlier stream left with this engine (keep-ring): taken
+        # by the next relayed stream of its shape, else closed.
+        self._kept: tuple[ChunkRing, RingPinning | None] | None = self._consumer.kept_ring
+        self._consumer.kept_ring = None
 
     def _key(self, engine: str) -> tuple[Any, ...]:
         """The shelf key of this actor's engine when it is ``engine``."""
@@ -209,18 +214,64 @@ class EngineActor:
         if directory == "auto":
             directory = default_directory()
         heap = self.settings.relay_heap_for_chunks
-        ring = ChunkRing.create(directory, n_slots, slot_bytes, start, heap_for_chunks=heap)
+        ring, pin = self._kept_ring(directory, n_slots, slot_bytes, start)
+        if ring is None:
+            ring = ChunkRing.create(
+                directory,
+                n_slots,
+                slot_bytes,
+                start,
+                heap_for_chunks=heap,
+                keep=self.settings.relay_keep_ring,
+            )
         try:
             receiver = RelayReceiver(ring, lambda item: self._relayed(stream_id, ring, item))
         except BaseException:
+            if pin is not None:
+                pin.close()
             ring.close()
             raise
         receiver.start()
         self._relay = (ring, receiver)
-        if self.settings.relay_pin_ring:
-            self._ring_pin = RingPinning(ring)
-            self._ring_pin.start(self._pool)  # with engine="auto": at the first chunk
+        if pin is None and self.settings.relay_pin_ring:
+            pin = RingPinning(ring)
+        self._ring_pin = pin
+        if pin is not None:
+            pin.start(self._pool)  # with engine="auto": at the first chunk
         return ring.spec
+
+    def _kept_ring(
+        self, directory: str, n_slots: int, slot_bytes: int, start: int
+    ) -> tuple[ChunkRing | None, RingPinning | None]:
+        """The kept ring renewed for this stream when its shape and settings fit, else none."""
+        kept, self._kept = self._kept, None
+        if kept is None:
+            return None, None
+        ring, pin = kept
+        spec = ring.spec
+        fits = (
+            self.settings.relay_keep_ring
+            and ring.renewable
+            and os.path.dirname(spec.path) == directory
+            and spec.n_slots == n_slots
+            and spec.slot_bytes == -(-int(slot_bytes) // 4096) * 4096
+            and spec.heap_for_chunks == self.settings.relay_heap_for_chunks
+            and (pin is not None) == bool(self.settings.relay_pin_ring)
+            and (pin is None or pin.error is None)
+        )
+        renewed = ring.renew(start) if fits else None
+        if renewed is None:
+            self._release_kept(ring, pin)
+            return None, None
+        return ring, pin
+
+    @staticmethod
+    def _release_kept(ring: ChunkRing, pin: RingPinning | None) -> None:
+        try:
+            if pin is not None:
+                pin.close()  # before the ring is unmapped
+        finally:
+            ring.close()
 
     def seal_relay(self) -> int:
         """Stop accepting relays; the ring leaves the filesystem. Returns the relays connected."""
@@ -243,17 +294,17 @@ class EngineActor:
         # one (or the stream stopped); the pinned copy, if made, needs it no more.
         self._consumer.add_waiter(index + 1, lambda: ring.release(index))
 
-    def _close_relay(self) -> None:
+    def _close_relay(self, keep: bool = False) -> None:
+        """End the stream's relaying; with ``keep``, the ring stays for the next stream."""
         if self._relay is not None:
             ring, receiver = self._relay
             pin, self._ring_pin = self._ring_pin, None
             self._relay = None
             receiver.close()
-            try:
-                if pin is not None:
-                    pin.close()  # before the ring is unmapped
-            finally:
-                ring.close()
+            if keep and ring.renewable and (pin is None or pin.error is None):
+                self._kept = (ring, pin)
+                return
+            self._release_kept(ring, pin)
 
     def end(self, stream_id: str, n_records: int = 0) -> tuple[HuberState | None, Progress]:
         """Stop the stream; the state after the last consumed chunk and the final progress."""
@@ -261,7 +312,7 @@ class EngineActor:
             return self._consumer.end(stream_id, n_records)
         finally:
             self._stop_feeder()
-            self._close_relay()
+            self._close_relay(keep=self._consumer.failure is None)
             self._restore_worker_settings()
 
     def _stop_feeder(self) -> None:
@@ -280,6 +331,12 @@ class EngineActor:
         self._close_relay()
         clean = self._consumer.failure is None and self._consumer.running
         keep = self.settings.engine_keep if clean else 0.0
+        kept, self._kept = self._kept, None
+        if kept is not None:
+            if keep > 0:
+                self._consumer.kept_ring = kept  # parked with the engine, closed with it
+            else:
+                self._release_kept(*kept)
         shelf.park(self._shelf_key, self._consumer, keep)
 
     def _restore_worker_settings(self) -> None:

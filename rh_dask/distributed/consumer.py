@@ -147,6 +147,9 @@ class OrderedConsumer:
             raise ValueError("OrderedConsumer needs exactly one of factory and starter")
         self.starter = starter
         self.choice: Any = None
+        #: ``(ring, pinning)`` of the relay ring kept with this engine between
+        #: streams (set and taken by :mod:`.actor`, closed by :mod:`.shelf`).
+        self.kept_ring: tuple[Any, Any] | None = None
         self._decide = False  # the running stream's engine is decided at its first chunk
         self._cond = threading.Condition()
         self._commands: deque[tuple[Callable[[], Any], Future[Any]]] = deque()

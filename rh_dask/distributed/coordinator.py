@@ -543,6 +543,7 @@ class ClusterWalk:
         self.outcome.placement["relays"] = list(self._relays)
         self.outcome.placement["loaders"] = list(self._loaders)
         self.outcome.placement["relay_transport"] = "tcp" if push else "dask"
+        self.outcome.placement["relay_ring_reused"] = self._ring.reused > 0
         self.outcome.placement.setdefault("relay_sendfile", False)
 
     def _relay_transport(self) -> str:

@@ -9,7 +9,8 @@ here for the setting ``rh-dask.distributed.engine-keep`` (60 s; the actor
 gets it from the client with its :class:`~rh_dask.settings.Settings`); the next
 actor on that worker process with the same engine, configuration and device
 takes it instead of building one. A parked engine keeps its memory (device
-workspace, pinned host buffers) until it is taken, its time runs out, or
+workspace, pinned host buffers, and the relay ring of its last stream with
+``rh-dask.relay.keep-ring``) until it is taken, its time runs out, or
 :func:`release_engines` closes it.
 
 Only the engine is reused, never a model: a stream always starts from the
@@ -87,12 +88,29 @@ def _close(consumer: OrderedConsumer) -> None:
     """Release the engine's resources on its own thread, then stop that thread."""
     close = getattr(consumer.engine, "close", None)
     try:
+        # A kept relay ring first: its page-locking belongs to the engine's pool.
+        release_kept_ring(consumer)
         if close is not None:
             consumer.call(close)
     except Exception as exc:  # a broken engine must not keep the others parked
         logger.warning("closing a parked engine failed: %s", exc)
     finally:
         consumer.close()
+
+
+def release_kept_ring(consumer: OrderedConsumer) -> None:
+    """Close the relay ring kept with ``consumer``'s engine, if any (:mod:`.actor`)."""
+    kept, consumer.kept_ring = consumer.kept_ring, None
+    if kept is None:
+        return
+    ring, pin = kept
+    try:
+        if pin is not None:
+            pin.close()  # before the ring is unmapped
+    except Exception as exc:
+        logger.warning("unlocking a kept chunk ring failed: %s", exc)
+    finally:
+        ring.close()
 
 
 def release_engines(client: Any) -> dict[str, int]:
