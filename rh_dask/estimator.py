@@ -198,8 +198,10 @@ class RenewableHuberRegressor(RegressorMixin, BaseEstimator):
         the worker still held an idle engine from an earlier fit, see
         :func:`rh_dask.distributed.release_engines`); with ``"relay"`` also
         ``relays`` and ``loaders`` (worker addresses), ``relay_transport``
-        (``"tcp"`` or ``"dask"``) and ``relay_sendfile`` (whether chunks of
-        :func:`rh_dask.read_npy` files were sent from the files).
+        (``"tcp"`` or ``"dask"``), ``relay_sendfile`` (whether chunks of
+        :func:`rh_dask.read_npy` files were sent from the files) and
+        ``relay_ring_reused`` (whether the stream took the shared-memory ring
+        an earlier fit left with the parked engine, ``rh-dask.relay.keep-ring``).
         ``None`` after an in-memory batch or a walk without a client.
 
     Examples
