@@ -311,3 +311,45 @@ def test_a_stream_that_failed_keeps_no_ring(tmp_path):
         finally:
             actor.close()
             shelf.clear()
+
+
+def test_a_kept_ring_drops_its_locking_where_the_next_engine_may_differ(tmp_path):
+    from rh_dask.config import HuberConfig
+    from rh_dask.distributed import shelf
+    from rh_dask.distributed.actor import EngineActor
+    from rh_dask.settings import Settings
+
+    shelf.clear()
+    settings = Settings(relay_directory=str(tmp_path), engine_keep=30.0)
+    try:
+        # engine="auto" may close its engine (and pool) at the next choice.
+        auto = EngineActor("auto", HuberConfig(), settings=settings)
+        auto._pool = _Pool()
+        auto.open_relay("a", 0, 2, 1 << 16)
+        auto._ring_pin._done.wait(10)
+        auto._close_relay(keep=True)
+        ring, pin = auto._kept
+        assert pin is None and ring.renewable
+        assert auto._pool.log.count("unregister") == 2
+        auto.close()
+        shelf.clear()
+
+        # A kept, locked ring taken by a stream that leaves rings pageable: unlocked, reused.
+        pool = _Pool()
+        first = EngineActor("numpy", HuberConfig(), settings=settings)
+        first._pool = pool
+        spec = first.open_relay("s1", 0, 2, 1 << 16)
+        first._ring_pin._done.wait(10)
+        first._close_relay(keep=True)
+        first.close()
+        pageable = Settings(relay_directory=str(tmp_path), engine_keep=30.0, relay_pin_ring=False)
+        second = EngineActor("numpy", HuberConfig(), settings=pageable)
+        second._pool = pool
+        renewed = second.open_relay("s2", 0, 2, 1 << 16)
+        assert renewed.reused == 1 and renewed.path == spec.path
+        assert second._ring_pin is None and pool.log.count("unregister") == 2
+        second._close_relay(keep=True)
+        second.close()
+    finally:
+        shelf.clear()
+    assert os.listdir(tmp_path) == []

@@ -102,6 +102,7 @@ class EngineActor:
         self._config, self._device, self._blas_threads = config, device, blas_threads
         self._pool: Any = None
         self._shelf_key = self._key(engine)
+        self._auto = engine == "auto"
         warm = shelf.take(self._shelf_key)
         self.reused = warm is not None
         if engine == "auto":
@@ -256,22 +257,26 @@ class EngineActor:
             and spec.n_slots == n_slots
             and spec.slot_bytes == -(-int(slot_bytes) // 4096) * 4096
             and spec.heap_for_chunks == self.settings.relay_heap_for_chunks
-            and (pin is not None) == bool(self.settings.relay_pin_ring)
-            and (pin is None or pin.error is None)
         )
         renewed = ring.renew(start) if fits else None
         if renewed is None:
             self._release_kept(ring, pin)
             return None, None
+        if pin is not None and not self.settings.relay_pin_ring:
+            self._release_kept(None, pin)  # this stream leaves the ring pageable
+            pin = None
         return ring, pin
 
     @staticmethod
-    def _release_kept(ring: ChunkRing, pin: RingPinning | None) -> None:
+    def _release_kept(ring: ChunkRing | None, pin: RingPinning | None) -> None:
         try:
             if pin is not None:
                 pin.close()  # before the ring is unmapped
+        except Exception as exc:  # the ring goes all the same
+            logger.warning("unlocking the chunk ring failed: %s", exc)
         finally:
-            ring.close()
+            if ring is not None:
+                ring.close()
 
     def seal_relay(self) -> int:
         """Stop accepting relays; the ring leaves the filesystem. Returns the relays connected."""
@@ -301,10 +306,15 @@ class EngineActor:
             pin, self._ring_pin = self._ring_pin, None
             self._relay = None
             receiver.close()
-            if keep and ring.renewable and (pin is None or pin.error is None):
-                self._kept = (ring, pin)
+            if not (keep and ring.renewable):
+                self._release_kept(ring, pin)
                 return
-            self._release_kept(ring, pin)
+            if pin is not None and (self._auto or pin.error is not None):
+                # engine="auto" may close this engine (and its pinned pool) for the
+                # next stream's choice: the ring is kept, its locking is not.
+                self._release_kept(None, pin)
+                pin = None
+            self._kept = (ring, pin)
 
     def end(self, stream_id: str, n_records: int = 0) -> tuple[HuberState | None, Progress]:
         """Stop the stream; the state after the last consumed chunk and the final progress."""
