@@ -114,11 +114,14 @@ plateau)
     # look-ahead. A variant that lifts rows/s well past the baseline's spread names the
     # bound; each line ends with the chunk timeline's median/p90 ms (send: the hand-over
     # task, turn: received until consumed, refill: window freed until the next task).
-    #   bash benchmarks/device_pending.sh plateau [base relays8 engine4 pageable l16]
+    # With the ring kept between fits (keep-ring), "fresh" is the ring made per fit and
+    # "refill1" tops the window up after every consumed chunk (refill 23-25 against 58-60
+    # ms on the dev box, the wall engine-bound there).
+    #   bash benchmarks/device_pending.sh plateau [base fresh refill1 l16 relays8 engine4 pageable]
     common=(--engine gpu --sources pread --loaders 4 --compare relay --repeats 3
         --skip comm,relay-ceiling)
     variants=("${@:2}")
-    [ ${#variants[@]} -eq 0 ] && variants=(base relays8 engine4 pageable l16)
+    [ ${#variants[@]} -eq 0 ] && variants=(base fresh refill1 l16)
     for variant in "${variants[@]}"; do
         extra=(--lookahead 8)
         case "$variant" in
@@ -126,6 +129,8 @@ plateau)
         engine4) extra+=(--engine-cores 4) ;;
         pageable) extra+=(--config rh-dask.relay.pin-ring=false) ;;
         l16) extra=(--lookahead 16) ;;
+        refill1) extra+=(--config rh-dask.distributed.refill-every=1) ;;
+        fresh) extra+=(--config rh-dask.relay.keep-ring=false) ;;
         esac
         timeout 140 python benchmarks/scale_out.py "${common[@]}" "${extra[@]}" \
             --output "$out/scale_out-plateau-$variant.json" 2>&1 | grep -E "^N=" \

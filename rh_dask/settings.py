@@ -267,6 +267,10 @@ class Settings:
         ``rh-dask.distributed.poll-interval``: seconds one progress poll of
         the engine's actor may wait on its worker before answering; also how
         often the client's progress bar moves and a lost worker is noticed.
+    refill_every : int or "auto"
+        ``rh-dask.distributed.refill-every``: with a task per chunk, the
+        walk tops up the look-ahead each time this many more chunks have
+        been consumed (``"auto"``: a quarter of the look-ahead, at least 1).
     pin_max_bytes : int
         ``rh-dask.distributed.pin-max-bytes``: chunks up to this size are
         copied into the engine's pinned pool (the GPU engine has one) on the
@@ -385,6 +389,7 @@ class Settings:
 
     in_process_max_rows: int = 10_000_000
     poll_interval: float = 0.25
+    refill_every: int | str = "auto"
     pin_max_bytes: int = 48 << 20
     pin_mapped: bool = True
     engine_keep: float = 60.0
@@ -453,6 +458,7 @@ _KEYS: dict[str, tuple[str, Callable[[str, Any], Any]]] = {
         "rh-dask.distributed.poll-interval",
         lambda key, value: _seconds(key, value, positive=True),
     ),
+    "refill_every": ("rh-dask.distributed.refill-every", _threads_or_auto),
     "pin_max_bytes": ("rh-dask.distributed.pin-max-bytes", _bytes),
     "pin_mapped": ("rh-dask.distributed.pin-mapped", _flag),
     "engine_keep": (

@@ -243,6 +243,19 @@ def test_the_next_fit_takes_the_kept_ring_and_fits_the_same(
     assert _left(ring_dir, client) == []
 
 
+@pytest.mark.parametrize("every", [1, 3])
+def test_refilling_after_every_chunk_or_several_fits_the_same(
+    client, ring_dir, every, snapshot, assert_unchanged
+):
+    X, y, _ = _data(n=3_000, seed=34)
+    Xd, yd, _ = _arrays(X, y, None, (300,) * 10)
+    with dask.config.set({"rh-dask.distributed.refill-every": every}):
+        model = RenewableHuberRegressor(loader="relay", lookahead=4, progress=False)
+        model.fit(Xd, yd)
+    _same(model, _loop(_row_blocks(X, y, None, [300] * 10)), assert_unchanged, snapshot)
+    assert _left(ring_dir, client) == []
+
+
 def test_keep_ring_off_leaves_nothing_after_each_fit(client, ring_dir, snapshot, assert_unchanged):
     release_engines(client)
     X, y, _ = _data(n=2_000, seed=32)

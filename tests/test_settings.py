@@ -67,6 +67,7 @@ def test_values_are_read_from_dask_config_and_text_is_parsed():
             "rh-dask.gpu.pinned-idle-bytes": "64 MiB",
             "rh-dask.cli.in-process-max-rows": "1_000",
             "rh-dask.numpy.blas-threads": "3",
+            "rh-dask.distributed.refill-every": "2",
         }
     ):
         settings = Settings.from_config()
@@ -83,6 +84,7 @@ def test_values_are_read_from_dask_config_and_text_is_parsed():
         gpu_diagnostics=True,
         gpu_pinned_idle_bytes=64 * 2**20,
         numpy_blas_threads=3,
+        refill_every=2,
     )
     assert settings.engine_options("gpu") == {
         "graphs": False,
@@ -120,6 +122,8 @@ def test_values_are_read_from_dask_config_and_text_is_parsed():
         ("in_process_max_rows", -1, "a whole number >= 0"),
         ("numpy_blas_threads", 0, '"auto" or a whole number >= 1'),
         ("numpy_blas_threads", "all", '"auto" or a whole number >= 1'),
+        ("refill_every", 0, '"auto" or a whole number >= 1'),
+        ("refill_every", "often", '"auto" or a whole number >= 1'),
     ],
 )
 def test_a_malformed_value_is_refused_naming_its_key(field, value, expected):

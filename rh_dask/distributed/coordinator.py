@@ -761,7 +761,9 @@ class ClusterWalk:
         consumed = submitted = start
         # Polls gate the next submissions; with loader="actor" the actor loads
         # on its own and a poll only reports progress (one per poll interval).
-        step = n if mode == "actor" else max(1, self.lookahead // 4)
+        every = self.settings.refill_every
+        step = max(1, self.lookahead // 4) if every == "auto" else int(every)
+        step = n if mode == "actor" else step
         records = self.outcome.records
         while consumed < n:
             refill = 0 if mode == "actor" else min(n, consumed + self.lookahead)
