@@ -33,7 +33,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import mmap
-import os
 from collections.abc import Callable
 from typing import Any
 
@@ -54,7 +53,7 @@ from .items import ChunkItem, LoadedChunk
 from .loading import assemble_chunk
 from .relay import RelayReceiver
 from .ring import ChunkRing, RingSpec, default_directory
-from .ring_pinning import RingPinning
+from .ring_pinning import RingPinning, release_ring
 
 logger = logging.getLogger(__name__)
 
@@ -249,34 +248,16 @@ class EngineActor:
         if kept is None:
             return None, None
         ring, pin = kept
-        spec = ring.spec
-        fits = (
-            self.settings.relay_keep_ring
-            and ring.renewable
-            and os.path.dirname(spec.path) == directory
-            and spec.n_slots == n_slots
-            and spec.slot_bytes == -(-int(slot_bytes) // 4096) * 4096
-            and spec.heap_for_chunks == self.settings.relay_heap_for_chunks
-        )
+        heap = self.settings.relay_heap_for_chunks
+        fits = self.settings.relay_keep_ring and ring.fits(directory, n_slots, slot_bytes, heap)
         renewed = ring.renew(start) if fits else None
         if renewed is None:
-            self._release_kept(ring, pin)
+            release_ring(ring, pin)
             return None, None
         if pin is not None and not self.settings.relay_pin_ring:
-            self._release_kept(None, pin)  # this stream leaves the ring pageable
+            release_ring(None, pin)  # this stream leaves the ring pageable
             pin = None
         return ring, pin
-
-    @staticmethod
-    def _release_kept(ring: ChunkRing | None, pin: RingPinning | None) -> None:
-        try:
-            if pin is not None:
-                pin.close()  # before the ring is unmapped
-        except Exception as exc:  # the ring goes all the same
-            logger.warning("unlocking the chunk ring failed: %s", exc)
-        finally:
-            if ring is not None:
-                ring.close()
 
     def seal_relay(self) -> int:
         """Stop accepting relays; the ring leaves the filesystem. Returns the relays connected."""
@@ -307,12 +288,12 @@ class EngineActor:
             self._relay = None
             receiver.close()
             if not (keep and ring.renewable):
-                self._release_kept(ring, pin)
+                release_ring(ring, pin)
                 return
             if pin is not None and (self._auto or pin.error is not None):
                 # engine="auto" may close this engine (and its pinned pool) for the
                 # next stream's choice: the ring is kept, its locking is not.
-                self._release_kept(None, pin)
+                release_ring(None, pin)
                 pin = None
             self._kept = (ring, pin)
 
@@ -346,7 +327,7 @@ class EngineActor:
             if keep > 0:
                 self._consumer.kept_ring = kept  # parked with the engine, closed with it
             else:
-                self._release_kept(*kept)
+                release_ring(*kept)
         shelf.park(self._shelf_key, self._consumer, keep)
 
     def _restore_worker_settings(self) -> None:

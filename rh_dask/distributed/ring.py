@@ -101,7 +101,7 @@ _kept_rings: weakref.WeakSet[ChunkRing] = weakref.WeakSet()
 def _unlink_kept_rings() -> None:
     for ring in list(_kept_rings):
         with contextlib.suppress(OSError):
-            os.unlink(ring.spec.path)
+            ring._unlink_name()
 
 
 def default_directory() -> str:
@@ -265,6 +265,16 @@ def _check_room(directory: str, size: int, path: str) -> None:
             f"cannot allocate {size / 2**20:.0f} MiB for the chunk ring {path!r}: "
             f"{free / 2**20:.0f} MiB free there {_ROOM_HINT}"
         )
+
+
+def _slot_size(slot_bytes: int) -> int:
+    """A slot's size: ``slot_bytes`` rounded up to whole pages."""
+    return -(-int(slot_bytes) // 4096) * 4096
+
+
+def _first_owners(start: int, n_slots: int) -> list[int]:
+    """Each slot's first chunk of a stream beginning at chunk ``start``."""
+    return [start + (s - start) % n_slots for s in range(n_slots)]
 
 
 def _remove_orphans(directory: str) -> None:
@@ -484,7 +494,7 @@ class ChunkRing:
             raise ValueError(
                 f"a ring needs n_slots >= 1 and slot_bytes >= 1, got {n_slots}, {slot_bytes}"
             )
-        slot_bytes = -(-int(slot_bytes) // 4096) * 4096
+        slot_bytes = _slot_size(slot_bytes)
         ring_id = uuid.uuid4().hex
         path = os.path.join(directory, f"{_RING_PREFIX}{ring_id}")
         spec = RingSpec(
@@ -515,7 +525,7 @@ class ChunkRing:
             os.unlink(path)
             raise
         mapped.map[:_TOKEN_BYTES] = spec.token
-        mapped.owner[:] = [start + (s - start) % n_slots for s in range(n_slots)]
+        mapped.owner[:] = _first_owners(start, n_slots)
         ring = cls(mapped, keep=keep)
         if keep:
             _kept_rings.add(ring)
@@ -525,6 +535,18 @@ class ChunkRing:
     def renewable(self) -> bool:
         """Whether :meth:`renew` may hand this ring to another stream."""
         return self.keep and not self._closed
+
+    def fits(self, directory: str, n_slots: int, slot_bytes: int, heap_for_chunks: bool) -> bool:
+        """Whether :meth:`create` with these arguments would make a ring like this one,
+        so that :meth:`renew` can serve that stream instead."""
+        spec = self.spec
+        return (
+            self.renewable
+            and os.path.dirname(spec.path) == directory
+            and spec.n_slots == n_slots
+            and spec.slot_bytes == _slot_size(slot_bytes)
+            and spec.heap_for_chunks == bool(heap_for_chunks)
+        )
 
     def renew(self, start: int) -> RingSpec | None:
         """Hand the ring to the next stream: a new id, token, key and listener, the same memory.
@@ -558,7 +580,7 @@ class ChunkRing:
                 reused=self.spec.reused + 1,
             )
             self._mapped.map[:_TOKEN_BYTES] = spec.token
-            self._mapped.owner[:] = [start + (s - start) % n for s in range(n)]
+            self._mapped.owner[:] = _first_owners(start, n)
             self._mapped.spec = self.spec = spec
             return spec
         finally:
@@ -610,16 +632,17 @@ class ChunkRing:
         """Remove the ring's name: relays attached already keep their mapping.
 
         Once sealed, nothing of the ring stays on the filesystem, whatever
-        happens to the processes that map it.
+        happens to the processes that map it. A kept ring keeps its name
+        until :meth:`close`, for the relays of later streams.
         """
         if not self._sealed:
             self._sealed = True
-            if self.keep:
-                return  # later streams' relays open it by name (removed by close)
-            try:
-                os.unlink(self.spec.path)
-            except FileNotFoundError:
-                pass
+            if not self.keep:  # a kept ring's later relays open it by name (close removes it)
+                self._unlink_name()
+
+    def _unlink_name(self) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.spec.path)
 
     def close(self) -> None:
         """Unlink the ring (if not sealed) and unmap it; idempotent.
@@ -630,9 +653,8 @@ class ChunkRing:
         if self._closed:
             return
         _kept_rings.discard(self)
-        self.keep = False
-        self._sealed = False
-        self.seal()
+        self._sealed = True
+        self._unlink_name()
         self._closed = True
         self._mapped.close()
         self._remove_overflow()

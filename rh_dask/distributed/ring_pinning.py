@@ -32,7 +32,7 @@ from typing import Any
 from .items import ChunkItem, LoadedChunk
 from .ring import ChunkRing
 
-__all__ = ["RingPinning"]
+__all__ = ["RingPinning", "release_ring"]
 
 logger = logging.getLogger(__name__)
 
@@ -120,3 +120,15 @@ class RingPinning:
                 errors.append(exc)
         if errors:
             raise errors[0]
+
+
+def release_ring(ring: ChunkRing | None, pin: RingPinning | None) -> None:
+    """Unlock ``pin`` (if any), then close ``ring`` (if any), even when unlocking fails."""
+    try:
+        if pin is not None:
+            pin.close()  # before the ring is unmapped
+    except Exception as exc:  # the ring goes all the same
+        logger.warning("unlocking the chunk ring failed: %s", exc)
+    finally:
+        if ring is not None:
+            ring.close()

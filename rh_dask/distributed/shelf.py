@@ -25,6 +25,7 @@ from collections.abc import Hashable
 from typing import Any
 
 from .consumer import OrderedConsumer
+from .ring_pinning import release_ring
 
 logger = logging.getLogger(__name__)
 
@@ -103,14 +104,7 @@ def release_kept_ring(consumer: OrderedConsumer) -> None:
     kept, consumer.kept_ring = consumer.kept_ring, None
     if kept is None:
         return
-    ring, pin = kept
-    try:
-        if pin is not None:
-            pin.close()  # before the ring is unmapped
-    except Exception as exc:
-        logger.warning("unlocking a kept chunk ring failed: %s", exc)
-    finally:
-        ring.close()
+    release_ring(*kept)
 
 
 def release_engines(client: Any) -> dict[str, int]:
