@@ -8,8 +8,10 @@ threads). With ``--threads`` the engine runs once per ``blas_threads``
 setting given (``auto`` and counts): the measurement behind the per-shape
 rule of ``rh-dask.numpy.blas-threads``. Every repeat runs each contender
 once, in an order rotated between repeats (a contender that follows a
-multithreaded one meets its still-spinning BLAS threads). Writes
-schema-versioned JSON with every timing.
+multithreaded one meets its still-spinning BLAS threads). With
+``--no-skip-too`` each setting also runs with the LAMM's information test
+switched off (every trial takes its Z e): the same bits, so what the test
+saves. Writes schema-versioned JSON with every timing.
 
     python benchmarks/numpy_engine.py --repeats 5 --opponent --threads auto 1 2 \\
         --output benchmarks/results/numpy_engine.json
@@ -25,6 +27,7 @@ from common import SHAPES, environment, fingerprint, summarize, write_json
 
 from rh_dask import HuberConfig, NumpyEngine
 from rh_dask.datasets import StreamSpec
+from rh_dask.engines import numpy_engine as numpy_engine_module
 from rh_dask.engines.blas_threads import side_chooser
 
 SCHEMA = "rh-dask/bench/numpy-engine/2"
@@ -38,12 +41,19 @@ def make_stream(rows: int, features: int, batch: int, dtype: str):
 
 
 class RhDask:
-    def __init__(self, config: HuberConfig, threads: int | str) -> None:
+    def __init__(self, config: HuberConfig, threads: int | str, skip: bool = True) -> None:
         self.engine = NumpyEngine(config, blas_threads=threads)
+        self.skip = skip
 
     def run(self, batches):
         self.engine.reset()
-        its = [self.engine.partial_fit(X, y).iterations for X, y in batches]
+        check = numpy_engine_module._fails_on_information
+        if not self.skip:
+            numpy_engine_module._fails_on_information = lambda trial, total: False
+        try:
+            its = [self.engine.partial_fit(X, y).iterations for X, y in batches]
+        finally:
+            numpy_engine_module._fails_on_information = check
         return its, self.engine.coefficients()
 
 
@@ -96,6 +106,11 @@ def main(argv: list[str] | None = None) -> int:
         "--threads", nargs="+", default=["auto"], help="blas_threads settings: auto or counts"
     )
     parser.add_argument("--opponent", action="store_true", help="also time renewable-huber")
+    parser.add_argument(
+        "--no-skip-too",
+        action="store_true",
+        help="also run each setting without the LAMM's information test",
+    )
     parser.add_argument("--output", default="benchmarks/results/numpy_engine.json")
     args = parser.parse_args(argv)
     settings = [t if t == "auto" else int(t) for t in args.threads]
@@ -108,6 +123,9 @@ def main(argv: list[str] | None = None) -> int:
             for penalty in args.penalties:
                 config = HuberConfig(penalty=penalty, dtype=dtype)
                 contenders = {f"rh_dask_numpy[{t}]": RhDask(config, t) for t in settings}
+                if args.no_skip_too and penalty == "l1":
+                    for t in settings:
+                        contenders[f"rh_dask_numpy[{t},no-skip]"] = RhDask(config, t, skip=False)
                 if args.opponent:
                     contenders["renewable_huber_numpy"] = Opponent(config)
                 results, coefs = time_case(contenders, batches, args.repeats)
@@ -135,7 +153,12 @@ def main(argv: list[str] | None = None) -> int:
     payload = {
         "schema": SCHEMA,
         "environment": environment(),
-        "settings": {"repeats": args.repeats, "threads": settings, "opponent": args.opponent},
+        "settings": {
+            "repeats": args.repeats,
+            "threads": settings,
+            "opponent": args.opponent,
+            "no_skip_too": args.no_skip_too,
+        },
         "side_by_side_commit_medians_seconds": side,
         "cases": cases,
     }

@@ -6,6 +6,8 @@
   first two trials together): the contract's decisions in the contract's
   order, so the same iteration counts, and states within its tolerances
   (the gradient's sums are taken block by block).
+* LAMM trials that fail on ½ eᵀJe alone skip their Z e: the very same
+  decisions, so the very same bits.
 """
 
 from __future__ import annotations
@@ -190,3 +192,73 @@ def test_the_measured_choice_changes_no_bit_of_a_stream(monkeypatch, penalty):
     alone_diags, alone = _run(NumpyEngine(config, blas_threads=1), batches)
     assert measured.equals(alone)
     assert measured_diags == alone_diags
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+@pytest.mark.parametrize("weighted", [False, True])
+@pytest.mark.parametrize("fused", [False, True])
+def test_trials_failed_on_the_information_skip_their_product_and_change_no_bit(
+    monkeypatch, dtype, weighted, fused
+):
+    config = HuberConfig(penalty="l1", dtype=dtype)
+    # Many small batches: J grows against each batch's own curvature, so late
+    # batches have trials that the information alone fails.
+    batches = _stream(dtype, weighted, n=16_000, d=20)[:1] + _stream(
+        dtype, weighted, n=16_000, d=20, seed=6
+    )
+    batches = [
+        (X[i : i + 500], y[i : i + 500], None if w is None else w[i : i + 500])
+        for X, y, w in batches
+        for i in range(0, len(X), 500)
+    ]
+    if fused:
+        monkeypatch.setattr(numpy_engine_module, "FUSED_MIN_BYTES", 0)
+    check = numpy_engine_module._fails_on_information
+    calls = {"skipped": 0, "products": 0}
+
+    def counting_check(trial, total):
+        failed = check(trial, total)
+        calls["skipped"] += failed
+        return failed
+
+    remainder = numpy_engine_module._Batch.remainder
+
+    def counting_remainder(batch, zdir, scale):
+        calls["products"] += 1
+        return remainder(batch, zdir, scale)
+
+    monkeypatch.setattr(numpy_engine_module, "_fails_on_information", counting_check)
+    monkeypatch.setattr(numpy_engine_module._Batch, "remainder", counting_remainder)
+    skip_diags, skipping = _run(NumpyEngine(config, blas_threads=1), batches)
+    with_skips = dict(calls)
+    monkeypatch.setattr(numpy_engine_module, "_fails_on_information", lambda trial, total: False)
+    calls["products"] = 0
+    full_diags, full = _run(NumpyEngine(config, blas_threads=1), batches)
+    assert with_skips["skipped"] > 0  # the stream has such trials
+    if not fused:  # the fused pass may take a skipped trial's product along with the one before
+        assert calls["products"] - with_skips["products"] == with_skips["skipped"]
+    assert skipping.equals(full)
+    assert skip_diags == full_diags
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_the_huber_remainder_is_never_negative_as_computed(dtype):
+    """The skip's premise: R = Σ w [ρ(r − δ) − ρ(r) + ψ(r) δ] ≥ 0 in floating point."""
+    from rh_dask.core import batch_schedule
+    from rh_dask.state import HuberState
+
+    rng = np.random.default_rng(3)
+    n, d = 4000, 3
+    config = HuberConfig(penalty="l1", dtype=dtype, tau=0.7)
+    state = HuberState.empty(d, True, np.dtype(dtype))
+    ws = numpy_engine_module._Workspace(np.dtype(dtype))
+    for scale in (1e-30, 1e-6, 1.0, 1e3, 1e20):
+        X = rng.standard_normal((n, d)).astype(dtype)
+        y = (rng.standard_t(1, n) * rng.choice([1e-3, 1, 1e3], n)).astype(dtype)
+        w = rng.choice([0, 0.5, 1, 7], n).astype(dtype)
+        schedule = batch_schedule(config, state, float(w.sum()))
+        batch = numpy_engine_module._Batch(ws, X, y, w, config, state, schedule)
+        batch.evaluate(rng.standard_normal(d + 1).astype(dtype))
+        zdir = (rng.standard_normal(n) * scale).astype(dtype)
+        assert batch.remainder(zdir, -1.0) >= 0.0
+        assert batch.remainder(zdir, 1.0) >= 0.0

@@ -593,11 +593,15 @@ def _solve_lamm(
     """Proximal gradient with a local majorisation (contract, L1).
 
     The trials of an iteration are the contract's, in its order (φ, 2φ, 4φ, ...,
-    the first that passes is taken). When Z is too large for the cache
-    (``batch.fused``), the first one or two trials' Z e and the gradient each
-    would need next are computed in one pass over Z (:meth:`_Batch.trial_pass`):
-    two trials when the previous iteration needed more than one (the usual
-    steady state, φ/2 failing after an accepted φ), else one.
+    the first that passes is taken). A trial whose quadratic term alone,
+    ½ eᵀJe / N, exceeds the majorisation's allowance fails without Z e: the
+    Huber remainder it would add is a sum of non-negative terms, so the test's
+    left side can only be larger (see :func:`_fails_on_information`). When Z is
+    too large for the cache (``batch.fused``), the first one or two trials'
+    Z e and the gradient each would need next are computed in one pass over Z
+    (:meth:`_Batch.trial_pass`): two trials when the previous iteration needed
+    more than one product (the usual steady state, φ/2 failing after an
+    accepted φ), else one.
     """
     beta = batch.beta0.copy()
     J = batch.J
@@ -610,40 +614,54 @@ def _solve_lamm(
     g = batch.gradient(beta)
     ahead = 2  # trials evaluated together by the fused pass (first iteration: φ = 1 is small)
 
-    def candidate(phi: float) -> tuple[np.ndarray, np.ndarray]:
+    def candidate(phi: float) -> tuple[np.ndarray, np.ndarray, float, float]:
         inv_phi = dt(1.0 / phi)
         c = soft_threshold(beta - g * inv_phi, lam_mask * inv_phi)
-        return c, c - beta
+        e = c - beta
+        quad = 0.5 * float(e @ J @ e)
+        return c, e, quad, 0.5 * phi * float(e @ e) + LAMM_SLACK
 
-    def passes(e: np.ndarray, zdir: np.ndarray, phi: float) -> bool:
-        # F(c) − F(β) − gᵀe, with δ = −Z e.
-        excess = (batch.remainder(zdir, -1.0) + 0.5 * float(e @ J @ e)) / batch.total
-        return excess <= 0.5 * phi * float(e @ e) + LAMM_SLACK
+    def passes(trial: tuple[np.ndarray, np.ndarray, float, float], zdir: np.ndarray) -> bool:
+        # F(c) − F(β) − gᵀe ≤ φ/2 ‖e‖² (+ slack), with δ = −Z e.
+        _, _, quad, allowance = trial
+        return (batch.remainder(zdir, -1.0) + quad) / batch.total <= allowance
 
     for iterations in range(1, cfg.max_iter + 1):  # noqa: B007 - the count is reported
         accepted = False
         taken = -1  # the fused candidate accepted, -1: none (or no fused pass)
-        trials = 0
+        trials = products = 0
+        trial = candidate(phi)
+        while trials < LAMM_MAX_TRIALS - 1 and _fails_on_information(trial, batch.total):
+            trials += 1
+            phi *= 2.0
+            trial = candidate(phi)
         if batch.fused:
-            pairs = [candidate(phi * 2.0**j) for j in range(ahead)]
-            data = batch.trial_pass([e for _, e in pairs])
-            for j, pair in enumerate(pairs):
+            pending = [trial] + [candidate(phi * 2.0**j) for j in range(1, ahead)]
+            pending = pending[: LAMM_MAX_TRIALS - trials]
+            data = batch.trial_pass([t[1] for t in pending])
+            for j, trial in enumerate(pending):
                 trials += 1
-                if passes(pair[1], batch.cand_zdir[j], phi):
+                products += 1
+                if passes(trial, batch.cand_zdir[j]):
                     accepted, taken = True, j
-                    c, e = pair
                     break
                 phi *= 2.0
+            if not accepted and trials < LAMM_MAX_TRIALS:
+                trial = candidate(phi)
         while not accepted and trials < LAMM_MAX_TRIALS:
             trials += 1
-            c, e = candidate(phi)
-            np.matmul(batch.Z, e, out=batch.zdir)
-            if passes(e, batch.zdir, phi):
-                accepted = True
-                break
+            if not _fails_on_information(trial, batch.total):
+                products += 1
+                np.matmul(batch.Z, trial[1], out=batch.zdir)
+                if passes(trial, batch.zdir):
+                    accepted = True
+                    break
             phi *= 2.0
+            if trials < LAMM_MAX_TRIALS:
+                trial = candidate(phi)
         if not accepted:
             break
+        c, e = trial[0], trial[1]
         step = float(np.linalg.norm(e))
         beta = c
         phi = max(phi / 2.0, LAMM_MIN_PHI)
@@ -658,5 +676,21 @@ def _solve_lamm(
         else:
             batch.shift(batch.zdir)
             g = batch.gradient(beta)
-        ahead = 2 if trials > 1 else 1
+        ahead = 2 if products > 1 else 1
     return beta, iterations, converged
+
+
+def _fails_on_information(
+    trial: tuple[np.ndarray, np.ndarray, float, float], total: float
+) -> bool:
+    """Whether a LAMM trial fails the majorisation test whatever its Z e.
+
+    The test is ``(R + q) / N <= a`` with q = ½ eᵀJe, a the allowance and R the
+    Huber remainder Σ w [ρ(r − δ) − ρ(r) + ψ(r) δ], which :meth:`_Batch.remainder`
+    computes as a sum of terms u (δ' − u/2) whose two factors share a sign, so
+    R ≥ 0 in floating point too. Rounding is monotone, so (R + q) / N ≥ q / N
+    as computed, and q / N > a decides the test exactly as the full evaluation
+    would, without the O(n p) product.
+    """
+    _, _, quad, allowance = trial
+    return quad / total > allowance
