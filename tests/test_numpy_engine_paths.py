@@ -262,3 +262,41 @@ def test_the_huber_remainder_is_never_negative_as_computed(dtype):
         zdir = (rng.standard_normal(n) * scale).astype(dtype)
         assert batch.remainder(zdir, -1.0) >= 0.0
         assert batch.remainder(zdir, 1.0) >= 0.0
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+@pytest.mark.parametrize("weighted", [False, True])
+@pytest.mark.parametrize("saving", [0, 10**9])  # always gather the rows with κ > 0, never
+def test_both_ways_to_the_gram_give_the_contracts_information(
+    monkeypatch, dtype, weighted, saving
+):
+    from rh_dask.core import batch_schedule
+    from rh_dask.state import HuberState
+
+    monkeypatch.setattr(numpy_engine_module, "GATHER_MIN_SAVING", saving)
+    monkeypatch.setattr(numpy_engine_module, "GATHER_BLOCK_BYTES", 4096)  # several blocks
+    rng = np.random.default_rng(11)
+    n, d = 3000, 20
+    X = rng.standard_normal((n, d)).astype(dtype)
+    y = (rng.standard_t(1.5, n)).astype(dtype)
+    w = rng.choice([0, 1, 2.5], n).astype(dtype) if weighted else None
+    config = HuberConfig(dtype=dtype)
+    state = HuberState.empty(d, True, np.dtype(dtype))
+    total = float(n if w is None else w.sum())
+    schedule = batch_schedule(config, state, total)
+    batch = numpy_engine_module._Batch(
+        numpy_engine_module._Workspace(np.dtype(dtype)), X, y, w, config, state, schedule
+    )
+    beta = rng.standard_normal(d + 1).astype(dtype) * 0.1
+    batch.evaluate(beta)
+    gram = batch.gram()
+    # The contract's Zᵀ diag(w κ(r)) Z in float64, from its piecewise κ.
+    Z = np.hstack([X, np.ones((n, 1), dtype)]).astype(np.float64)
+    r = y.astype(np.float64) - Z @ beta.astype(np.float64)
+    tau, h = config.tau, schedule.bandwidth
+    kappa = np.clip(0.5 + (tau - np.abs(r)) / (2 * h), 0, 1)
+    assert 0.1 < np.mean(kappa == 0) < 0.9  # both kinds of rows are there
+    weight = kappa if w is None else kappa * w
+    expected = (Z * weight[:, None]).T @ Z
+    scale = np.abs(expected).max()
+    np.testing.assert_allclose(gram, expected, rtol=TOL[dtype]["rtol"], atol=1e-6 * scale)

@@ -51,6 +51,13 @@ __all__ = ["NumpyEngine", "solve_newton_system"]
 FUSED_MIN_BYTES = 20 << 20
 #: Bytes of Z per row block of the fused pass (to stay in a core's L2 cache).
 FUSED_BLOCK_BYTES = 384 << 10
+#: The Gram gathers the rows with κ > 0 before its SYRK when the rows it drops,
+#: times p, reach this many times the batch's rows: on the dev box (one BLAS
+#: thread, p = 9-257, 20-50 % of rows dropped) the gather cost about one pass over
+#: Z and the SYRK saved p² per dropped row, level near (dropped share) × p = 12.
+GATHER_MIN_SAVING = 12
+#: Bytes of Z per gathered row block (a fraction of a core's L2 cache).
+GATHER_BLOCK_BYTES = 256 << 10
 #: Gram products of at least this many multiply-adds (rows × p²) go to the side
 #: thread beside the main one's work; smaller ones cost less than the hand-off.
 SIDE_MIN_FLOPS = 1 << 22
@@ -273,15 +280,24 @@ class _Batch:
         if self.w is not None:
             k *= self.w
         np.sqrt(k, out=k)
-        # Rows beyond τ + h have κ = 0 and add nothing; heavy-tailed streams have
-        # many, so gather only the contributing rows before the O(n p²) SYRK
-        # (into the workspace: no row-length temporaries).
+        # Rows beyond τ + h have κ = 0 and add nothing. Gathering the others before
+        # the O(n p²) SYRK costs a pass over Z and saves p² per dropped row, so it
+        # pays once the dropped rows times p pass GATHER_MIN_SAVING rows (see there).
         active = np.greater(k, 0, out=self.active)
         rows = int(np.count_nonzero(active))
-        if rows < 0.9 * k.size:
+        n, p = self.Z.shape
+        if (n - rows) * p >= GATHER_MIN_SAVING * n:
             scaled = self.scaled[:rows]
-            np.compress(active, self.Z, axis=0, out=scaled)
-            scaled *= np.compress(active, k, out=self.t2[:rows])[:, None]
+            keep = np.flatnonzero(active)
+            weights = k[keep]
+            # Row blocks of GATHER_BLOCK_BYTES: the gathered block stays in cache for
+            # its scaling, and no row-length temporary is made.
+            step = max(64, GATHER_BLOCK_BYTES // (p * self.Z.itemsize))
+            for start in range(0, rows, step):
+                stop = min(start + step, rows)
+                np.multiply(
+                    self.Z[keep[start:stop]], weights[start:stop, None], out=scaled[start:stop]
+                )
         else:
             scaled = self.scaled
             np.multiply(self.Z, k[:, None], out=scaled)
