@@ -73,6 +73,15 @@ class Opponent:
         return its, np.asarray(model.state_.coefficients)
 
 
+def f64_solution(rows: int, features: int, batch: int, config: HuberConfig) -> np.ndarray:
+    """The coefficients of the same stream in float64 (the float32 answers' yardstick)."""
+    batches, _, _ = make_stream(rows, features, batch, "float64")
+    engine = NumpyEngine(HuberConfig(penalty=config.penalty, dtype="float64"))
+    for X, y in batches:
+        engine.partial_fit(X, y)
+    return engine.coefficients()
+
+
 def time_case(contenders: dict, batches, repeats: int) -> tuple[dict, dict]:
     names = list(contenders)
     samples: dict[str, list[float]] = {name: [] for name in names}
@@ -129,6 +138,15 @@ def main(argv: list[str] | None = None) -> int:
                 if args.opponent:
                     contenders["renewable_huber_numpy"] = Opponent(config)
                 results, coefs = time_case(contenders, batches, args.repeats)
+                if dtype == "float32":
+                    # How far each float32 answer lies from the float64 stream's, in units
+                    # of the contract's float32 tolerance (<= 1: within it).
+                    exact = f64_solution(rows, features, batch, config)
+                    for name, coef in coefs.items():
+                        bound = 3e-5 + 3e-4 * np.abs(exact)
+                        results[name]["float64_error_in_tolerances"] = float(
+                            np.max(np.abs(np.asarray(coef, np.float64) - exact) / bound)
+                        )
                 ours = f"rh_dask_numpy[{settings[0]}]"
                 if args.opponent:
                     diff = np.max(np.abs(coefs["renewable_huber_numpy"] - coefs[ours]))
@@ -148,6 +166,8 @@ def main(argv: list[str] | None = None) -> int:
                 line = f"{shape:9s} {dtype} {penalty:4s}"
                 for name, res in results.items():
                     line += f" {name}={res['median'] * 1e3:.1f}ms"
+                    if "float64_error_in_tolerances" in res:
+                        line += f" (f64 error {res['float64_error_in_tolerances']:.2g} tol)"
                 print(line, flush=True)
     side = {str(k): v for k, v in side_chooser().medians().items()}
     payload = {
