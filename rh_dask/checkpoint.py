@@ -44,16 +44,18 @@ import math
 import os
 import zipfile
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from ._version import __version__
+from .checkpoint_content import Checkpoint, WalkPosition, as_count, as_number
 from .config import HuberConfig
 from .engines import ENGINE_NAMES
 from .exceptions import CheckpointError, ValidationError
+from .interop import is_renewable_huber_archive, renewable_huber_checkpoint
 from .state import OPTIONAL_DIAGNOSTICS, BatchDiagnostics, HuberState
 from .stream import RECOVERY_COLUMNS, BatchRecord, Recovery
 
@@ -102,112 +104,6 @@ _RECOVERY_KINDS = ("worker-lost", "resume")
 #: Deflate expands data at most about 1032-fold: a compressed member claiming
 #: more bytes per stored byte than this is forged.
 _MAX_INFLATION = 1100
-
-
-def _count(name: str, value: Any, minimum: int = 0) -> int:
-    """``value`` as an int >= ``minimum`` (bools and floats refused)."""
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-        raise ValidationError(f"{name} is {value!r}, not an int")
-    if value < minimum:
-        raise ValidationError(f"{name} is {value}, need >= {minimum}")
-    return int(value)
-
-
-def _number(name: str, value: Any, *, minimum: float | None = None) -> float:
-    """``value`` as a finite float (>= ``minimum`` when given)."""
-    if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
-        raise ValidationError(f"{name} is {value!r}, not a number")
-    out = float(value)
-    if not math.isfinite(out):
-        raise ValidationError(f"{name} is {out}, need a finite number")
-    if minimum is not None and out < minimum:
-        raise ValidationError(f"{name} is {out}, need >= {minimum}")
-    return out
-
-
-@dataclass(frozen=True)
-class WalkPosition:
-    """Where a walk over a Dask stream stood when its checkpoint was taken.
-
-    Attributes
-    ----------
-    next_chunk : int
-        Index of the first chunk the state has not consumed: a resumed walk
-        goes on from it (``n_chunks`` for a finished walk).
-    n_chunks : int
-        Chunks of the stream.
-    n_empty : int
-        Zero-row chunks skipped before ``next_chunk``.
-    fingerprint : dict
-        The input the walk read (see :func:`rh_dask.distributed.fingerprint.fingerprint`),
-        held as the JSON it is written as (tuples become lists).
-
-    Raises
-    ------
-    ValidationError
-        When a count is not an int, ``next_chunk`` is not within
-        ``0..n_chunks``, ``n_empty`` is not within ``0..next_chunk``, or the
-        fingerprint is not a JSON object of finite values.
-    """
-
-    next_chunk: int
-    n_chunks: int
-    n_empty: int
-    fingerprint: dict[str, Any]
-
-    def __post_init__(self) -> None:
-        n_chunks = _count("n_chunks", self.n_chunks)
-        next_chunk = _count("next_chunk", self.next_chunk)
-        n_empty = _count("n_empty", self.n_empty)
-        if next_chunk > n_chunks:
-            raise ValidationError(f"next_chunk {next_chunk} exceeds n_chunks {n_chunks}")
-        if n_empty > next_chunk:
-            raise ValidationError(f"n_empty {n_empty} exceeds next_chunk {next_chunk}")
-        if not isinstance(self.fingerprint, dict):
-            raise ValidationError(f"fingerprint is {self.fingerprint!r}, not a dict")
-        try:
-            fingerprint = json.loads(json.dumps(self.fingerprint, allow_nan=False))
-        except (TypeError, ValueError) as exc:
-            raise ValidationError(f"fingerprint is not JSON of finite values: {exc}") from exc
-        object.__setattr__(self, "next_chunk", next_chunk)
-        object.__setattr__(self, "n_chunks", n_chunks)
-        object.__setattr__(self, "n_empty", n_empty)
-        object.__setattr__(self, "fingerprint", fingerprint)
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "next_chunk": self.next_chunk,
-            "n_chunks": self.n_chunks,
-            "n_empty": self.n_empty,
-            "fingerprint": self.fingerprint,
-        }
-
-
-@dataclass(frozen=True)
-class Checkpoint:
-    """The content of a checkpoint file.
-
-    ``walk``, ``records`` and ``recoveries`` make it a *walk checkpoint*: a
-    Dask stream part-way, with the batch records and recoveries of the walk
-    so far. ``records`` and ``recoveries`` need ``walk``.
-    """
-
-    config: HuberConfig
-    state: HuberState
-    feature_names: np.ndarray | None
-    engine: str
-    library_version: str = __version__
-    walk: WalkPosition | None = None
-    records: tuple[BatchRecord, ...] = field(default=())
-    recoveries: tuple[Recovery, ...] = field(default=())
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "records", tuple(self.records))
-        object.__setattr__(self, "recoveries", tuple(self.recoveries))
-        if self.walk is None and (self.records or self.recoveries):
-            raise ValidationError("batch records and recoveries belong to a walk checkpoint")
-        if self.walk is not None and not isinstance(self.walk, WalkPosition):
-            raise ValidationError(f"walk is a {type(self.walk).__name__}, not a WalkPosition")
 
 
 def _digest(arrays: dict[str, np.ndarray], record: dict[str, Any]) -> str:
@@ -359,8 +255,6 @@ def checkpoint_from_bytes(data: bytes, source: str) -> Checkpoint:
             f"{source} is not an rh-dask checkpoint: not a readable .npz archive "
             "(truncated, corrupted or another format)"
         )
-    from .interop import is_renewable_huber_archive, renewable_huber_checkpoint
-
     try:
         buffer.seek(0)
         with zipfile.ZipFile(buffer) as archive:
@@ -470,14 +364,16 @@ def _recovery_from_json(index: int, raw: Any) -> Recovery:
             raise ValidationError(f"{where}: {name} is {raw[name]!r}, not a string")
     detect = raw["detect_seconds"]
     return Recovery(
-        time=_number(f"{where}: time", raw["time"]),
+        time=as_number(f"{where}: time", raw["time"]),
         kind=raw["kind"],
         lost_worker=raw["lost_worker"],
         new_worker=raw["new_worker"],
-        from_chunk=_count(f"{where}: from_chunk", raw["from_chunk"]),
-        chunks_replayed=_count(f"{where}: chunks_replayed", raw["chunks_replayed"]),
-        detect_seconds=math.nan if detect is None else _number(f"{where}: detect_seconds", detect),
-        recover_seconds=_number(f"{where}: recover_seconds", raw["recover_seconds"]),
+        from_chunk=as_count(f"{where}: from_chunk", raw["from_chunk"]),
+        chunks_replayed=as_count(f"{where}: chunks_replayed", raw["chunks_replayed"]),
+        detect_seconds=math.nan
+        if detect is None
+        else as_number(f"{where}: detect_seconds", detect),
+        recover_seconds=as_number(f"{where}: recover_seconds", raw["recover_seconds"]),
     )
 
 
@@ -583,10 +479,10 @@ def _check_walk(
         if not isinstance(r, BatchRecord):
             raise ValidationError(f"record {i} is a {type(r).__name__}, not a BatchRecord")
         where = f"record {i}"
-        batch = _count(f"{where}: batch", r.batch)
-        chunk = _count(f"{where}: chunk", r.chunk)
-        rows += _count(f"{where}: rows", r.rows)
-        _count(f"{where}: iterations", r.diagnostics.iterations)
+        batch = as_count(f"{where}: batch", r.batch)
+        chunk = as_count(f"{where}: chunk", r.chunk)
+        rows += as_count(f"{where}: rows", r.rows)
+        as_count(f"{where}: iterations", r.diagnostics.iterations)
         if batch <= previous_batch or batch >= state.batch_count:
             raise ValidationError(
                 f"{where}: batch {batch} is out of order (after {previous_batch}, "
@@ -598,14 +494,14 @@ def _check_walk(
                 f"next_chunk {walk.next_chunk})"
             )
         previous_batch, previous_chunk = batch, chunk
-        _number(f"{where}: seconds", r.seconds, minimum=0.0)
-        _number(f"{where}: wait_seconds", r.wait_seconds, minimum=0.0)
-        _number(f"{where}: lambda_value", r.diagnostics.lambda_value, minimum=0.0)
-        _number(f"{where}: bandwidth", r.diagnostics.bandwidth, minimum=0.0)
+        as_number(f"{where}: seconds", r.seconds, minimum=0.0)
+        as_number(f"{where}: wait_seconds", r.wait_seconds, minimum=0.0)
+        as_number(f"{where}: lambda_value", r.diagnostics.lambda_value, minimum=0.0)
+        as_number(f"{where}: bandwidth", r.diagnostics.bandwidth, minimum=0.0)
         for name in OPTIONAL_DIAGNOSTICS:
             value = getattr(r.diagnostics, name)
             if value is not None:
-                _number(f"{where}: {name}", value, minimum=0.0)
+                as_number(f"{where}: {name}", value, minimum=0.0)
         beta = np.asarray(r.coefficients)
         if beta.shape != (p,) or not np.all(np.isfinite(beta)):
             raise ValidationError(
@@ -622,16 +518,16 @@ def _check_walk(
         where = f"recovery {i}"
         if r.kind not in _RECOVERY_KINDS:
             raise ValidationError(f"{where}: kind {r.kind!r} is not one of {_RECOVERY_KINDS}")
-        from_chunk = _count(f"{where}: from_chunk", r.from_chunk)
+        from_chunk = as_count(f"{where}: from_chunk", r.from_chunk)
         if from_chunk > walk.next_chunk:
             raise ValidationError(
                 f"{where}: from_chunk {from_chunk} is after next_chunk {walk.next_chunk}"
             )
-        _count(f"{where}: chunks_replayed", r.chunks_replayed)
-        _number(f"{where}: time", r.time)
-        _number(f"{where}: recover_seconds", r.recover_seconds, minimum=0.0)
+        as_count(f"{where}: chunks_replayed", r.chunks_replayed)
+        as_number(f"{where}: time", r.time)
+        as_number(f"{where}: recover_seconds", r.recover_seconds, minimum=0.0)
         if not math.isnan(float(r.detect_seconds)):
-            _number(f"{where}: detect_seconds", r.detect_seconds, minimum=0.0)
+            as_number(f"{where}: detect_seconds", r.detect_seconds, minimum=0.0)
 
 
 # -- reading archive headers -----------------------------------------------------------------
@@ -745,7 +641,7 @@ def _check_declared(
         if walk is not None:
             if not isinstance(walk, dict):
                 raise ValidationError(f"walk is {type(walk).__name__}, not an object")
-            n_records = _count("walk n_records", walk["n_records"])
+            n_records = as_count("walk n_records", walk["n_records"])
         if _SCORE_ARRAY in declared and record["format_version"] == 1:
             raise ValidationError(
                 f"a format version 1 checkpoint has no {_SCORE_ARRAY} member (added in version 2)"

@@ -11,7 +11,9 @@ from sklearn.exceptions import NotFittedError as _SklearnNotFittedError
 __all__ = [
     "ActorLostError",
     "BadChunkError",
+    "CertificateError",
     "CheckpointError",
+    "ClusterError",
     "DetachedFitError",
     "EngineUnavailableError",
     "InferenceError",
@@ -163,6 +165,19 @@ class InferenceError(RhDaskError, ValueError):
 
 class MissingExtraError(RhDaskError, ImportError):
     """An optional dependency is not installed; the message names the extra to install."""
+
+
+class ClusterError(RhDaskError, RuntimeError):
+    """The scheduler cannot be reached, or the cluster has no usable workers."""
+
+
+class CertificateError(ClusterError):
+    """TLS credentials are missing, unreadable, expired or from another CA.
+
+    Also raised when a TLS scheduler refuses the client's certificate, or
+    presents one the client's CA did not sign. A :class:`ClusterError`, so
+    the command line exits with code 4.
+    """
 
 
 class RingError(RhDaskError, OSError):

@@ -34,7 +34,7 @@ from typing import Any
 
 import numpy as np
 
-from .checkpoint import Checkpoint
+from .checkpoint_content import Checkpoint
 from .config import HuberConfig
 from .exceptions import CheckpointError, ValidationError
 from .state import HuberState

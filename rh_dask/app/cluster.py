@@ -39,17 +39,13 @@ from types import TracebackType
 from typing import Any
 
 from ..distributed.placement import GPU_RESOURCE
-from ..exceptions import RhDaskError
+from ..exceptions import CertificateError, ClusterError
 
 __all__ = ["ClusterError", "ClusterSession", "gpu_count", "open_cluster"]
 
 #: Seconds an interrupted command gives a local cluster to close; its worker
 #: processes also exit when this process does.
 INTERRUPTED_CLOSE_SECONDS = 3.0
-
-
-class ClusterError(RhDaskError, RuntimeError):
-    """The scheduler cannot be reached, or the cluster has no usable workers."""
 
 
 @dataclass
@@ -222,8 +218,6 @@ def _dashboard_options(dashboard: str | None) -> dict[str, Any]:
 
 def _connect_error(where: str, timeout: float, security: Any, exc: Exception) -> ClusterError:
     """The one-line error for a failed connect, naming TLS when TLS is the problem."""
-    from .security import CertificateError
-
     text = " ".join(str(exc).split())
     if "certificate" in text.lower() or "ssl" in text.lower():
         return CertificateError(

@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .cluster import ClusterError
+from ..exceptions import CertificateError
 
 __all__ = [
     "CA_FILE",
@@ -55,15 +55,6 @@ __all__ = [
 ROLES = ("scheduler", "worker", "client")
 #: The CA certificate's file name in a credentials directory.
 CA_FILE = "ca.pem"
-
-
-class CertificateError(ClusterError):
-    """TLS credentials are missing, unreadable, expired or from another CA.
-
-    Also raised when a TLS scheduler refuses the client's certificate, or
-    presents one the client's CA did not sign. A :class:`ClusterError`, so
-    the command line exits with code 4.
-    """
 
 
 @dataclass(frozen=True)
