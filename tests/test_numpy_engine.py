@@ -570,6 +570,32 @@ def test_float32_within_contract_tolerance_of_float64(make_stream, penalty):
         assert d32.objective == pytest.approx(d64.objective, rel=3e-4, abs=3e-5)
 
 
+def test_float32_l1_stops_at_the_float64_optimum_on_a_wide_heavy_tailed_stream():
+    """Near the optimum φ/2‖e‖² falls below the float32 rounding of whole objective values.
+
+    The majorisation test is taken from the residual changes, not from a
+    difference of two float32 objectives, so a float32 L1 stream still stops
+    where the float64 one does: far inside the contract's float32 tolerance
+    (renewable-huber 0.7.1's float32 stream of this data stops 1.2 tolerances
+    away, docs/performance.md).
+    """
+    rng = np.random.default_rng(4)
+    n, d = 8192, 96
+    X = rng.standard_normal((n, d))
+    beta = np.where(np.arange(d) % 4 == 0, 0.0, rng.uniform(-0.5, 0.5, d))
+    y = X @ beta + 0.3 + rng.standard_t(2, n)
+    X, y = X.astype(np.float32), y.astype(np.float32)
+    coefs = {}
+    for dtype in ("float64", "float32"):
+        engine = NumpyEngine(HuberConfig(penalty="l1", dtype=dtype))
+        for i in range(0, n, 2048):
+            engine.partial_fit(X[i : i + 2048].astype(dtype), y[i : i + 2048].astype(dtype))
+        coefs[dtype] = engine.coefficients().astype(np.float64)
+    exact = coefs["float64"]
+    in_tolerances = np.abs(coefs["float32"] - exact) / (3e-5 + 3e-4 * np.abs(exact))
+    assert in_tolerances.max() < 0.05  # measured 0.0014
+
+
 @pytest.mark.parametrize(
     "params",
     [
