@@ -12,6 +12,7 @@ import math
 
 import numpy as np
 import pytest
+import scipy.linalg
 import scipy.optimize
 
 from rh_dask import (
@@ -499,6 +500,25 @@ def test_regular_newton_system_is_solved_exactly():
     np.testing.assert_allclose(
         solve_newton_system(S @ H @ S, S @ g), np.linalg.solve(S @ H @ S, S @ g), rtol=1e-8
     )
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+@pytest.mark.parametrize("p", [3, 17, 91])
+def test_the_cholesky_rung_gives_scipys_cholesky_solve_bit_for_bit(dtype, p):
+    rng = np.random.default_rng(p)
+    A = rng.normal(size=(4 * p, p))
+    H = (A.T @ A / (4 * p) + 1e-3 * np.eye(p)).astype(dtype)
+    g = rng.normal(size=p).astype(dtype)
+    lower = scipy.linalg.cholesky(H, lower=True, check_finite=False)
+    expected = scipy.linalg.cho_solve((lower, True), g, check_finite=False)
+    got = solve_newton_system(H, g)
+    assert got.dtype == expected.dtype
+    assert got.tobytes() == expected.tobytes()
+
+
+def test_an_indefinite_newton_system_leaves_the_cholesky_rung():
+    H = np.diag([2.0, -1.0, 4.0])  # potrf fails on the second pivot; LU solves it
+    np.testing.assert_allclose(solve_newton_system(H, np.ones(3)), [0.5, -1.0, 0.25])
 
 
 def test_iteration_cap_reports_not_converged(make_stream):
