@@ -117,7 +117,8 @@ plateau)
     # With the ring kept between fits (keep-ring), "fresh" is the ring made per fit and
     # "refill1" tops the window up after every consumed chunk (refill 23-25 against 58-60
     # ms on the dev box, the wall engine-bound there).
-    #   bash benchmarks/device_pending.sh plateau [base fresh refill1 l16 relays8 engine4 pageable]
+    #   bash benchmarks/device_pending.sh plateau [base fresh refill1 l16 relays8 engine4 pageable
+    #                                              n8 n8relays5]
     common=(--engine gpu --sources pread --loaders 4 --compare relay --repeats 3
         --skip comm,relay-ceiling)
     variants=("${@:2}")
@@ -131,6 +132,10 @@ plateau)
         l16) extra=(--lookahead 16) ;;
         refill1) extra+=(--config rh-dask.distributed.refill-every=1) ;;
         fresh) extra+=(--config rh-dask.relay.keep-ring=false) ;;
+        # N = 8, where the kept ring stayed at 27 M rows/s with each send at 53 ms (H100,
+        # scale_out-h100-pread-kept-ring.json): the four relays' TCP, or not (5 relays fill 16 cores).
+        n8) extra=(--lookahead auto --loaders 8) ;;
+        n8relays5) extra=(--lookahead auto --loaders 8 --relays 5) ;;
         esac
         timeout 140 python benchmarks/scale_out.py "${common[@]}" "${extra[@]}" \
             --output "$out/scale_out-plateau-$variant.json" 2>&1 | grep -E "^N=" \
