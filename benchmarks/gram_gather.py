@@ -26,13 +26,17 @@ import numpy as np
 from common import environment, summarize, write_json
 from threadpoolctl import threadpool_limits
 
-from rh_dask.engines.numpy_engine import GATHER_BLOCK_BYTES, GATHER_MIN_SAVING
+from rh_dask.engines.numpy_engine import (
+    GATHER_BLOCK_BYTES,
+    GATHER_MIN_SAVING,
+    gather_scaled_rows,
+)
 
 SCHEMA = "rh-dask/bench/gram-gather/1"
 
 
 def ways(Z: np.ndarray, k: np.ndarray) -> dict:
-    n, p = Z.shape
+    n = Z.shape[0]
     active = k > 0
     rows = int(active.sum())
     scaled = np.empty_like(Z)
@@ -44,12 +48,8 @@ def ways(Z: np.ndarray, k: np.ndarray) -> dict:
 
     def gather():
         keep = np.flatnonzero(active)
-        weights = k[keep]
-        out = scaled[:rows]
-        step = max(64, GATHER_BLOCK_BYTES // (p * Z.itemsize))
-        for start in range(0, rows, step):
-            stop = min(start + step, rows)
-            np.multiply(Z[keep[start:stop]], weights[start:stop, None], out=out[start:stop])
+        weights = np.take(k, keep, out=spare[:rows])
+        out = gather_scaled_rows(Z, keep, weights, scaled[:rows])
         return out.T @ out
 
     def compress():

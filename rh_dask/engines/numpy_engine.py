@@ -11,7 +11,7 @@ import functools
 import time
 import warnings
 from collections.abc import Callable
-from typing import Any, ClassVar
+from typing import Any, ClassVar, NamedTuple
 
 import numpy as np
 import scipy.linalg
@@ -82,6 +82,22 @@ def solve_newton_system(hessian: np.ndarray, gradient: np.ndarray) -> np.ndarray
 def _cholesky_routines(dtype: np.dtype) -> tuple[Callable[..., Any], Callable[..., Any]]:
     """LAPACK's Cholesky factorisation and solve (potrf, potrs) for ``dtype``."""
     return scipy.linalg.lapack.get_lapack_funcs(("potrf", "potrs"), dtype=dtype)
+
+
+def gather_scaled_rows(
+    Z: np.ndarray, keep: np.ndarray, weights: np.ndarray, out: np.ndarray
+) -> np.ndarray:
+    """``out[i] = weights[i] * Z[keep[i]]``, in row blocks of :data:`GATHER_BLOCK_BYTES`.
+
+    Each gathered block is scaled while it is in the cache, and no temporary
+    larger than a block is made. Returns ``out``.
+    """
+    rows, p = len(keep), Z.shape[1]
+    step = max(64, GATHER_BLOCK_BYTES // (p * Z.itemsize))
+    for start in range(0, rows, step):
+        stop = min(start + step, rows)
+        np.multiply(Z[keep[start:stop]], weights[start:stop, None], out=out[start:stop])
+    return out
 
 
 def _solve_ladder(hessian: np.ndarray, gradient: np.ndarray) -> np.ndarray:
@@ -297,17 +313,9 @@ class _Batch:
         rows = int(np.count_nonzero(active))
         n, p = self.Z.shape
         if (n - rows) * p >= GATHER_MIN_SAVING * n:
-            scaled = self.scaled[:rows]
             keep = np.flatnonzero(active)
-            weights = k[keep]
-            # Row blocks of GATHER_BLOCK_BYTES: the gathered block stays in cache for
-            # its scaling, and no row-length temporary is made.
-            step = max(64, GATHER_BLOCK_BYTES // (p * self.Z.itemsize))
-            for start in range(0, rows, step):
-                stop = min(start + step, rows)
-                np.multiply(
-                    self.Z[keep[start:stop]], weights[start:stop, None], out=scaled[start:stop]
-                )
+            weights = np.take(k, keep, out=self.t2[:rows])
+            scaled = gather_scaled_rows(self.Z, keep, weights, self.scaled[:rows])
         else:
             scaled = self.scaled
             np.multiply(self.Z, k[:, None], out=scaled)
@@ -613,6 +621,15 @@ def _solve_newton(
     return beta, iterations, converged
 
 
+class _Trial(NamedTuple):
+    """One LAMM trial: the candidate c, its step e = c − β, ½ eᵀJe and φ/2 ‖e‖² + slack."""
+
+    point: np.ndarray
+    step: np.ndarray
+    quad: float
+    allowance: float
+
+
 def _solve_lamm(
     batch: _Batch, cfg: HuberConfig, schedule: BatchSchedule
 ) -> tuple[np.ndarray, int, bool]:
@@ -640,31 +657,30 @@ def _solve_lamm(
     g = batch.gradient(beta)
     ahead = 2  # trials evaluated together by the fused pass (first iteration: φ = 1 is small)
 
-    def candidate(phi: float) -> tuple[np.ndarray, np.ndarray, float, float]:
+    def candidate(phi: float) -> _Trial:
         inv_phi = dt(1.0 / phi)
         c = soft_threshold(beta - g * inv_phi, lam_mask * inv_phi)
         e = c - beta
-        quad = 0.5 * float(e @ J @ e)
-        return c, e, quad, 0.5 * phi * float(e @ e) + LAMM_SLACK
+        return _Trial(c, e, 0.5 * float(e @ J @ e), 0.5 * phi * float(e @ e) + LAMM_SLACK)
 
-    def passes(trial: tuple[np.ndarray, np.ndarray, float, float], zdir: np.ndarray) -> bool:
+    def passes(trial: _Trial, zdir: np.ndarray) -> bool:
         # F(c) − F(β) − gᵀe ≤ φ/2 ‖e‖² (+ slack), with δ = −Z e.
-        _, _, quad, allowance = trial
-        return (batch.remainder(zdir, -1.0) + quad) / batch.total <= allowance
+        return (batch.remainder(zdir, -1.0) + trial.quad) / batch.total <= trial.allowance
 
     for iterations in range(1, cfg.max_iter + 1):  # noqa: B007 - the count is reported
         accepted = False
         taken = -1  # the fused candidate accepted, -1: none (or no fused pass)
         trials = products = 0
         trial = candidate(phi)
-        while trials < LAMM_MAX_TRIALS - 1 and _fails_on_information(trial, batch.total):
-            trials += 1
-            phi *= 2.0
-            trial = candidate(phi)
         if batch.fused:
+            # The pass starts at the first trial the information alone does not fail.
+            while trials < LAMM_MAX_TRIALS - 1 and _fails_on_information(trial, batch.total):
+                trials += 1
+                phi *= 2.0
+                trial = candidate(phi)
             pending = [trial] + [candidate(phi * 2.0**j) for j in range(1, ahead)]
             pending = pending[: LAMM_MAX_TRIALS - trials]
-            data = batch.trial_pass([t[1] for t in pending])
+            data = batch.trial_pass([t.step for t in pending])
             for j, trial in enumerate(pending):
                 trials += 1
                 products += 1
@@ -678,7 +694,7 @@ def _solve_lamm(
             trials += 1
             if not _fails_on_information(trial, batch.total):
                 products += 1
-                np.matmul(batch.Z, trial[1], out=batch.zdir)
+                np.matmul(batch.Z, trial.step, out=batch.zdir)
                 if passes(trial, batch.zdir):
                     accepted = True
                     break
@@ -687,9 +703,8 @@ def _solve_lamm(
                 trial = candidate(phi)
         if not accepted:
             break
-        c, e = trial[0], trial[1]
-        step = float(np.linalg.norm(e))
-        beta = c
+        step = float(np.linalg.norm(trial.step))
+        beta = trial.point
         phi = max(phi / 2.0, LAMM_MIN_PHI)
         if step_converged(step, float(np.linalg.norm(beta)), cfg.tol):
             converged = True
@@ -706,9 +721,7 @@ def _solve_lamm(
     return beta, iterations, converged
 
 
-def _fails_on_information(
-    trial: tuple[np.ndarray, np.ndarray, float, float], total: float
-) -> bool:
+def _fails_on_information(trial: _Trial, total: float) -> bool:
     """Whether a LAMM trial fails the majorisation test whatever its Z e.
 
     The test is ``(R + q) / N <= a`` with q = ½ eᵀJe, a the allowance and R the
@@ -718,5 +731,4 @@ def _fails_on_information(
     as computed, and q / N > a decides the test exactly as the full evaluation
     would, without the O(n p) product.
     """
-    _, _, quad, allowance = trial
-    return quad / total > allowance
+    return trial.quad / total > trial.allowance
