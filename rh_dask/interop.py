@@ -34,7 +34,7 @@ from typing import Any
 
 import numpy as np
 
-from .checkpoint_content import Checkpoint
+from .checkpoint_content import Checkpoint, as_count, as_number
 from .config import HuberConfig
 from .exceptions import CheckpointError, ValidationError
 from .state import HuberState
@@ -239,22 +239,6 @@ def _config(raw: Any, where: str) -> HuberConfig:
         raise CheckpointError(f"{where} has a parameter rh-dask refuses: {exc}") from exc
 
 
-def _integer(name: str, value: Any, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ValidationError(f"{name} is {value!r}, not an int")
-    if value < minimum:
-        raise ValidationError(f"{name} is {value}, need >= {minimum}")
-    return value
-
-
-def _real(name: str, value: Any) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ValidationError(f"{name} is {value!r}, not a number")
-    if not math.isfinite(value) or value < 0:
-        raise ValidationError(f"{name} is {value}, need a finite number >= 0")
-    return float(value)
-
-
 def _state(
     archive: zipfile.ZipFile,
     size: int,
@@ -264,7 +248,7 @@ def _state(
     where: str,
 ) -> HuberState:
     """The state the file holds, in the configured dtype, checked."""
-    d = _integer("n_features_in", metadata["n_features_in"], 1)
+    d = as_count("n_features_in", metadata["n_features_in"], 1)
     fit_intercept = metadata["fit_intercept"]
     if not isinstance(fit_intercept, bool):
         raise ValidationError(f"fit_intercept is {fit_intercept!r}, not a bool")
@@ -272,9 +256,11 @@ def _state(
         raise ValidationError(
             f"the state has fit_intercept={fit_intercept}, its config {config.fit_intercept}"
         )
-    n_seen = _integer("n_samples_seen", metadata["n_samples_seen"], 0)
-    batches = _integer("batch_count", metadata["batch_count"], 0)
-    weight_sum = _real("weight_sum", metadata["weight_sum"]) if version >= 2 else float(n_seen)
+    n_seen = as_count("n_samples_seen", metadata["n_samples_seen"])
+    batches = as_count("batch_count", metadata["batch_count"])
+    weight_sum = float(n_seen)
+    if version >= 2:
+        weight_sum = as_number("weight_sum", metadata["weight_sum"], minimum=0.0)
     if n_seen > 0 and weight_sum == 0:
         raise ValidationError(f"weight_sum is 0 after {n_seen} samples")
     coef_shape, info_shape = HuberState.shapes(d, fit_intercept)
@@ -292,7 +278,7 @@ def _state(
         information=arrays["information"],
         n_samples_seen=n_seen,
         batch_count=batches,
-        previous_lambda=_real("previous_lambda", metadata["previous_lambda"]),
+        previous_lambda=as_number("previous_lambda", metadata["previous_lambda"], minimum=0.0),
         weight_sum=weight_sum,
         n_features_in=d,
         fit_intercept=fit_intercept,
