@@ -205,6 +205,7 @@ def rh_auto_cold(config, batches, runner):
             if choice is not None:
                 seen["reason"] = choice.reason
                 seen["calibration_seconds"] = choice.calibration_seconds
+                seen["settle_seconds"] = choice.settle_seconds
                 seen["predicted_ratio"] = choice.predicted_ratio
                 seen["ratios"] = [list(r) for r in choice.ratios]
                 seen["fallback"] = choice.fallback

@@ -385,6 +385,10 @@ class Settings:
     auto_deadline : float
         ``rh-dask.engine.auto.deadline``: seconds after which a calibration
         stops and decides from the probe sizes it finished.
+    auto_settle : float
+        ``rh-dask.engine.auto.settle``: after a calibration that chose the
+        GPU, the most seconds it waits for the BLAS threads its NumPy probes
+        woke to go idle (0: it does not wait).
     """
 
     in_process_max_rows: int = 10_000_000
@@ -420,6 +424,7 @@ class Settings:
     auto_rounds: int = 3
     auto_allowance: float = 0.1
     auto_deadline: float = 2.0
+    auto_settle: float = 0.5
 
     @classmethod
     def from_config(cls) -> Settings:
@@ -500,6 +505,10 @@ _KEYS: dict[str, tuple[str, Callable[[str, Any], Any]]] = {
     "auto_deadline": (
         "rh-dask.engine.auto.deadline",
         lambda key, value: _seconds(key, value, positive=True),
+    ),
+    "auto_settle": (
+        "rh-dask.engine.auto.settle",
+        lambda key, value: _seconds(key, value, positive=False),
     ),
 }
 

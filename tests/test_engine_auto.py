@@ -27,6 +27,7 @@ from rh_dask.engines.auto import (
     plan_probes,
     runtime_signature,
 )
+from rh_dask.engines.blas_threads import ProcessIdle
 from rh_dask.exceptions import EngineUnavailableError, ValidationError
 from rh_dask.settings import Settings
 
@@ -179,6 +180,130 @@ def test_a_gpu_ten_times_faster_on_large_batches_is_chosen():
     assert choice.predicted_ratio < 0.9
     assert "at most" in choice.reason
     assert choice.calibration_seconds == pytest.approx(host.now)
+
+
+class SpinningProcess:
+    """A process whose other threads keep ``cores`` busy for ``spin`` seconds of its clock."""
+
+    def __init__(
+        self,
+        host: Host | None = None,
+        *,
+        idle: float = 0.1,
+        spin: float = 0.13,
+        cores: float = 15.0,
+    ) -> None:
+        self.host, self.idle_cores, self.cores = host, idle, cores
+        self.wall, self.cpu, self.spin_until, self.spin = 0.0, 0.0, 0.0, spin
+        self.slept: list[float] = []
+
+    def now(self) -> float:
+        return self.host.now if self.host is not None else self.wall
+
+    def woke_blas(self) -> None:
+        self.spin_until = self.now() + self.spin
+
+    def sleep(self, seconds: float) -> None:
+        self.slept.append(seconds)
+        start = self.now()
+        spinning = max(0.0, min(self.spin_until - start, seconds))
+        self.cpu += self.idle_cores * seconds + self.cores * spinning
+        if self.host is not None:
+            self.host.now += seconds
+        else:
+            self.wall += seconds
+
+    def idle(self, **kwargs) -> ProcessIdle:
+        return ProcessIdle(cpu=lambda: self.cpu, wall=self.now, sleep=self.sleep, **kwargs)
+
+
+def test_process_idle_measures_busy_cores_and_waits_for_the_spin_to_end():
+    proc = SpinningProcess()
+    idle = proc.idle(step=0.01, margin=0.5)
+    baseline = idle.busy()
+    assert baseline == pytest.approx(0.1)
+    proc.woke_blas()
+    assert idle.busy() == pytest.approx(15.1)
+    waited = idle.wait(baseline, 0.5)
+    # Stops at the first step measured after the spin: 0.12-0.14 s of the 0.13 s left.
+    assert 0.11 <= waited <= 0.13 + 0.01 + 1e-9
+    assert idle.busy() <= baseline + 0.5
+
+
+def test_process_idle_gives_up_after_its_bound_and_never_waits_at_zero():
+    proc = SpinningProcess(spin=10.0)
+    idle = proc.idle(step=0.01)
+    proc.woke_blas()
+    assert idle.wait(0.1, 0.2) == pytest.approx(0.2, abs=0.011)
+    proc.slept.clear()
+    assert idle.wait(0.1, 0.0) == 0.0 and proc.slept == []
+
+
+class NumpyLastHost(Host):
+    """A host whose NumPy probes leave the BLAS threads spinning (as OpenBLAS's do)."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.process = SpinningProcess(self)
+
+    def time(self, engine: str, rows: int) -> float:
+        seconds = super().time(engine, rows)
+        if engine == "numpy":
+            self.process.woke_blas()
+        return seconds
+
+
+def test_a_gpu_choice_waits_for_the_numpy_probes_threads_and_counts_the_wait():
+    host = NumpyLastHost(linear(1e-5, 1e-9), linear(1e-3, 1e-10))
+    cal = AutoCalibrator(
+        host.factory, signature=lambda device: "host", clock=host.clock, idle=host.process.idle()
+    )
+    choice = choose(cal, 100_000, 90)
+    assert choice.engine == "gpu"
+    assert host.calls[-1][0] == "numpy"  # the last probe ran NumPy: its threads spin
+    assert 0.12 <= choice.settle_seconds <= 0.141
+    assert choice.calibration_seconds == pytest.approx(host.now)
+    # The first GPU stream starts with the process back at its baseline.
+    assert host.process.idle().busy() == pytest.approx(0.1)
+    # Cached decisions neither measure nor wait.
+    host.process.slept.clear()
+    again = choose(cal, 100_000, 90)
+    assert again.cached and again.settle_seconds == 0.0 and host.process.slept == []
+
+
+def test_a_numpy_choice_and_a_zero_settle_do_not_wait():
+    host = NumpyLastHost(linear(2e-5, 5e-10), linear(1.5e-3, 5e-11))
+    cal = AutoCalibrator(
+        host.factory, signature=lambda device: "host", clock=host.clock, idle=host.process.idle()
+    )
+    choice = choose(cal, 4096, 16)
+    assert choice.engine == "numpy" and choice.settle_seconds == 0.0
+    assert host.process.slept == [0.01]  # the baseline only
+    host = NumpyLastHost(linear(1e-5, 1e-9), linear(1e-3, 1e-10))
+    cal = AutoCalibrator(
+        host.factory, signature=lambda device: "host", clock=host.clock, idle=host.process.idle()
+    )
+    off = dataclasses.replace(SETTINGS, auto_settle=0.0)
+    choice = choose(cal, 100_000, 90, off)
+    assert choice.engine == "gpu" and choice.settle_seconds == 0.0
+    assert host.process.slept == []
+
+
+def test_process_idle_sees_this_process_blas_threads_spin():
+    """This BLAS: a threaded product leaves threads busy, and the wait sees them stop."""
+    from threadpoolctl import threadpool_limits
+
+    idle = ProcessIdle()
+    baseline = idle.busy()
+    a = np.random.default_rng(0).standard_normal((1500, 1500))
+    with threadpool_limits(limits=2, user_api="blas"):
+        a @ a
+        spinning = idle.busy()
+    if spinning <= baseline + idle.margin:
+        pytest.skip(f"this BLAS does not spin after a threaded call ({spinning:.2f} cores busy)")
+    waited = idle.wait(baseline, 5.0)
+    assert waited < 5.0
+    assert idle.busy() <= baseline + idle.margin + 0.5
 
 
 def test_a_gpu_only_slightly_faster_stays_within_the_allowance():

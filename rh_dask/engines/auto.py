@@ -51,6 +51,7 @@ import numpy as np
 
 from ..config import HuberConfig
 from ..exceptions import EngineUnavailableError, ValidationError
+from .blas_threads import ProcessIdle
 
 __all__ = [
     "THREAD_VARIABLES",
@@ -317,7 +318,12 @@ class AutoChoice:
     ratios : tuple of (int, float)
         ``(rows, median paired ratio)`` of each probe size measured.
     calibration_seconds : float
-        Wall time the calibration took (0 for a rule or a cached decision).
+        Wall time the calibration took (0 for a rule or a cached decision),
+        ``settle_seconds`` included.
+    settle_seconds : float
+        Of that, the wait after a calibration that chose the GPU for the
+        BLAS threads its NumPy probes woke to go idle
+        (``rh-dask.engine.auto.settle``).
     cached : bool
         Whether the decision came from the cache.
     fallback : str or None
@@ -331,6 +337,7 @@ class AutoChoice:
     plan: ProbePlan | None = None
     ratios: tuple[tuple[int, float], ...] = field(default=())
     calibration_seconds: float = 0.0
+    settle_seconds: float = 0.0
     cached: bool = False
     fallback: str | None = None
 
@@ -406,6 +413,10 @@ class AutoCalibrator:
     clock : callable, optional
         Seconds, for the deadline and ``calibration_seconds`` (default
         :func:`time.perf_counter`).
+    idle : ProcessIdle, optional
+        Measures the process's busy cores before the probes and waits, after
+        a calibration that chose the GPU, until they are back there (default
+        :class:`~rh_dask.engines.blas_threads.ProcessIdle`).
     """
 
     def __init__(
@@ -414,10 +425,12 @@ class AutoCalibrator:
         *,
         signature: Callable[[Any], Any] = runtime_signature,
         clock: Callable[[], float] = time.perf_counter,
+        idle: ProcessIdle | None = None,
     ) -> None:
         self._factory: ProbeFactory = probe_factory or EngineProbes
         self._signature = signature
         self._clock = clock
+        self._idle = idle or ProcessIdle()
         self._lock = threading.Lock()
         self._cache: dict[tuple[Any, ...], AutoChoice] = {}
         self._cache_signature: Any = None
@@ -509,6 +522,8 @@ class AutoCalibrator:
             rounds=settings.auto_rounds,
         )
         start = self._clock()
+        # The process's busy cores before the NumPy probes wake any BLAS threads.
+        baseline = self._idle.busy() if settings.auto_settle > 0 else 0.0
         try:
             probe = self._factory(config, n_features, max(plan.rows), device, settings)
         except EngineUnavailableError as exc:
@@ -556,6 +571,11 @@ class AutoCalibrator:
             )
         engine, predicted = decide(ratios, n_rows, settings.auto_allowance)
         faster = "at most" if engine == "gpu" else "more than"
+        settle = 0.0
+        if engine == "gpu" and settings.auto_settle > 0:
+            # The last probe ran NumPy: its BLAS threads still spin and would take
+            # the cores of the GPU stream that follows (docs/performance.md).
+            settle = self._idle.wait(baseline, settings.auto_settle)
         return AutoChoice(
             engine,
             f"predicted t_gpu/t_numpy {predicted:.3g} at {n_rows} rows, {faster} "
@@ -563,7 +583,8 @@ class AutoCalibrator:
             predicted_ratio=predicted,
             plan=plan,
             ratios=tuple(ratios),
-            calibration_seconds=elapsed,
+            calibration_seconds=self._clock() - start,
+            settle_seconds=settle,
         )
 
 

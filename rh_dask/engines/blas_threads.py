@@ -29,6 +29,7 @@ from __future__ import annotations
 import functools
 import os
 import statistics
+import time
 from collections import deque
 from collections.abc import Hashable
 from concurrent.futures import ThreadPoolExecutor
@@ -41,6 +42,7 @@ from ..exceptions import ValidationError
 
 __all__ = [
     "SINGLE_THREAD_MAX_CORES",
+    "ProcessIdle",
     "SideChooser",
     "blas_controller",
     "blas_limit",
@@ -181,3 +183,57 @@ def blas_limit(threads: int | None) -> AbstractContextManager[Any]:
     if threads is None:
         return nullcontext()
     return blas_controller().limit(limits=threads, user_api="blas")
+
+
+class ProcessIdle:
+    """Waits until the BLAS threads a NumPy run woke have gone back to sleep.
+
+    OpenBLAS's worker threads spin after each threaded call (measured: about
+    0.13 s on the dev box's OpenBLAS 0.3.31, one core each), and
+    ``threadpool_limits`` does not stop them. Work started meanwhile, such
+    as a GPU stream whose host thread and copy threads need cores, shares
+    the CPUs with them. This measures how many cores the whole process keeps
+    busy while the calling thread sleeps one ``step``
+    (:func:`time.process_time` over wall time), and :meth:`wait` sleeps until
+    that is back at a baseline measured before.
+
+    Parameters
+    ----------
+    step : float
+        Seconds of one measurement.
+    margin : float
+        Cores above the baseline that still count as idle.
+    cpu, wall, sleep : callable, optional
+        The process's CPU seconds, wall seconds, and sleep (tests script them).
+    """
+
+    def __init__(
+        self,
+        step: float = 0.01,
+        margin: float = 0.5,
+        *,
+        cpu: Any = time.process_time,
+        wall: Any = time.perf_counter,
+        sleep: Any = time.sleep,
+    ) -> None:
+        self.step, self.margin = step, margin
+        self._cpu, self._wall, self._sleep = cpu, wall, sleep
+
+    def busy(self) -> float:
+        """Cores the process kept busy while this thread slept one step."""
+        cpu, wall = self._cpu(), self._wall()
+        self._sleep(self.step)
+        elapsed = self._wall() - wall
+        return (self._cpu() - cpu) / elapsed if elapsed > 0 else 0.0
+
+    def wait(self, baseline: float, max_seconds: float) -> float:
+        """Sleep until at most ``baseline + margin`` cores are busy; the seconds waited.
+
+        Gives up after ``max_seconds`` (another thread of the process may be
+        busy for its own reasons); ``max_seconds <= 0`` returns at once.
+        """
+        start = self._wall()
+        while self._wall() - start < max_seconds:
+            if self.busy() <= baseline + self.margin:
+                break
+        return self._wall() - start
