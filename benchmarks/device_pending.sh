@@ -77,9 +77,10 @@ sweep)
 numpy)
     # On 16 cores auto leaves the host's BLAS thread count as it is: if a fixed count
     # (1, 2, 4) beats auto for a shape class, resolve_blas_threads needs a rule for large
-    # hosts (docs/performance.md, NumPy engine).
+    # hosts (docs/performance.md, NumPy engine). The float64 L1 cases also run with the
+    # fused LAMM pass on several threads ([t,fused-any]): the engine takes it on one only.
     python benchmarks/numpy_engine.py --repeats 2 --threads auto 1 2 4 --opponent \
-        --output "$out/numpy_engine-h200-threads.json" 2>&1 | tail -17
+        --fused-any-threads --output "$out/numpy_engine-h200-threads.json" 2>&1 | tail -17
     ;;
 scale)
     # The cheap source read with rh_dask.read_npy, chunks sent with sendfile: relay (the

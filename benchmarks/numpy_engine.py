@@ -11,7 +11,9 @@ once, in an order rotated between repeats (a contender that follows a
 multithreaded one meets its still-spinning BLAS threads). With
 ``--no-skip-too`` each setting also runs with the LAMM's information test
 switched off (every trial takes its Z e): the same bits, so what the test
-saves. Writes schema-versioned JSON with every timing.
+saves. With ``--fused-any-threads`` the float64 L1 cases also run each setting
+with the fused LAMM pass taken on several BLAS threads too (the engine takes it
+on one thread only). Writes schema-versioned JSON with every timing.
 
     python benchmarks/numpy_engine.py --repeats 5 --opponent --threads auto 1 2 \\
         --output benchmarks/results/numpy_engine.json
@@ -41,19 +43,30 @@ def make_stream(rows: int, features: int, batch: int, dtype: str):
 
 
 class RhDask:
-    def __init__(self, config: HuberConfig, threads: int | str, skip: bool = True) -> None:
+    def __init__(
+        self,
+        config: HuberConfig,
+        threads: int | str,
+        skip: bool = True,
+        fused_any_threads: bool = False,
+    ) -> None:
         self.engine = NumpyEngine(config, blas_threads=threads)
         self.skip = skip
+        self.fused_any_threads = fused_any_threads
 
     def run(self, batches):
         self.engine.reset()
         check = numpy_engine_module._fails_on_information
+        one_only = numpy_engine_module.FUSED_ONE_THREAD_ONLY
         if not self.skip:
             numpy_engine_module._fails_on_information = lambda trial, total: False
+        if self.fused_any_threads:
+            numpy_engine_module.FUSED_ONE_THREAD_ONLY = False
         try:
             its = [self.engine.partial_fit(X, y).iterations for X, y in batches]
         finally:
             numpy_engine_module._fails_on_information = check
+            numpy_engine_module.FUSED_ONE_THREAD_ONLY = one_only
         return its, self.engine.coefficients()
 
 
@@ -120,6 +133,11 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="also run each setting without the LAMM's information test",
     )
+    parser.add_argument(
+        "--fused-any-threads",
+        action="store_true",
+        help="also run each setting with the fused LAMM pass on several BLAS threads too",
+    )
     parser.add_argument("--output", default="benchmarks/results/numpy_engine.json")
     args = parser.parse_args(argv)
     settings = [t if t == "auto" else int(t) for t in args.threads]
@@ -135,6 +153,11 @@ def main(argv: list[str] | None = None) -> int:
                 if args.no_skip_too and penalty == "l1":
                     for t in settings:
                         contenders[f"rh_dask_numpy[{t},no-skip]"] = RhDask(config, t, skip=False)
+                if args.fused_any_threads and penalty == "l1" and dtype == "float64":
+                    for t in settings:
+                        contenders[f"rh_dask_numpy[{t},fused-any]"] = RhDask(
+                            config, t, fused_any_threads=True
+                        )
                 if args.opponent:
                     contenders["renewable_huber_numpy"] = Opponent(config)
                 results, coefs = time_case(contenders, batches, args.repeats)
@@ -178,6 +201,7 @@ def main(argv: list[str] | None = None) -> int:
             "threads": settings,
             "opponent": args.opponent,
             "no_skip_too": args.no_skip_too,
+            "fused_any_threads": args.fused_any_threads,
         },
         "side_by_side_commit_medians_seconds": side,
         "cases": cases,

@@ -143,6 +143,20 @@ def test_an_error_on_the_side_thread_leaves_the_state_unchanged(monkeypatch):
     assert engine.batch_count == 2
 
 
+def _count_fused_passes(monkeypatch) -> list[int]:
+    """Fuse the LAMM trials of every batch size; the list gets each pass's trial count."""
+    counts: list[int] = []
+    trial_pass = numpy_engine_module._Batch.trial_pass
+
+    def counting(batch, steps):
+        counts.append(len(steps))
+        return trial_pass(batch, steps)
+
+    monkeypatch.setattr(numpy_engine_module, "FUSED_MIN_BYTES", 0)
+    monkeypatch.setattr(numpy_engine_module._Batch, "trial_pass", counting)
+    return counts
+
+
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
 @pytest.mark.parametrize("weighted", [False, True])
 @pytest.mark.parametrize("block_bytes", [1 << 10, 384 << 10])
@@ -152,16 +166,8 @@ def test_the_fused_lamm_pass_takes_the_plain_paths_steps(
     config = HuberConfig(penalty="l1", dtype=dtype)
     batches = _stream(dtype, weighted, n=20_000, d=30)
     plain_diags, plain = _run(NumpyEngine(config, blas_threads=1), batches)
-    fused_batches = []
-    trial_pass = numpy_engine_module._Batch.trial_pass
-
-    def counting(batch, steps):
-        fused_batches.append(len(steps))
-        return trial_pass(batch, steps)
-
-    monkeypatch.setattr(numpy_engine_module, "FUSED_MIN_BYTES", 0)
+    fused_batches = _count_fused_passes(monkeypatch)
     monkeypatch.setattr(numpy_engine_module, "FUSED_BLOCK_BYTES", block_bytes)
-    monkeypatch.setattr(numpy_engine_module._Batch, "trial_pass", counting)
     fused_diags, fused = _run(NumpyEngine(config, blas_threads=1), batches)
     if dtype == "float32":  # float32 keeps the per-trial products: the same stream, bit for bit
         assert fused_batches == []
@@ -175,6 +181,31 @@ def test_the_fused_lamm_pass_takes_the_plain_paths_steps(
     for a, b in zip(fused_diags, plain_diags, strict=True):
         np.testing.assert_allclose(a.objective, b.objective, **TOL[dtype])
     assert fused.n_samples_seen == plain.n_samples_seen
+
+
+def test_the_fused_lamm_pass_is_taken_only_on_one_blas_thread(monkeypatch):
+    """Its blocks' products run on the calling thread: with more BLAS threads the GEMVs win."""
+    from threadpoolctl import threadpool_limits
+
+    taken = _count_fused_passes(monkeypatch)
+    config = HuberConfig(penalty="l1")
+    batches = _stream("float64", False, n=4000, d=12)
+    _, plain = _run(NumpyEngine(config, blas_threads=1), batches)
+    assert taken
+    for threads in (2, 4):
+        taken.clear()
+        _, state = _run(NumpyEngine(config, blas_threads=threads), batches)
+        assert taken == []
+        np.testing.assert_allclose(state.coefficients, plain.coefficients, **TOL["float64"])
+    # "auto" on a large host leaves the count in force: the process's, read per batch.
+    monkeypatch.setattr(blas_threads_module, "usable_cores", lambda: 16)
+    for limit, fused in ((1, True), (2, False)):
+        taken.clear()
+        with threadpool_limits(limits=limit, user_api="blas"):
+            if blas_threads_module.blas_threads_in_force() != limit:
+                continue  # a BLAS that cannot run this many threads here
+            _run(NumpyEngine(config, blas_threads="auto"), batches)
+        assert bool(taken) == fused
 
 
 @pytest.mark.parametrize("penalty", ["none", "l1"])

@@ -46,6 +46,7 @@ __all__ = [
     "SideChooser",
     "blas_controller",
     "blas_limit",
+    "blas_threads_in_force",
     "resolve_blas_threads",
     "side_by_side",
     "side_chooser",
@@ -176,6 +177,12 @@ def resolve_blas_threads(setting: int | str, cores: int | None = None) -> int | 
             f'blas_threads must be "auto" or a whole number >= 1, got {setting!r}'
         )
     return setting
+
+
+def blas_threads_in_force() -> int:
+    """The largest thread count of this process's BLAS libraries now (1 without any)."""
+    counts = [int(lib["num_threads"]) for lib in blas_controller().select(user_api="blas").info()]
+    return max(counts, default=1)
 
 
 def blas_limit(threads: int | None) -> AbstractContextManager[Any]:

@@ -39,6 +39,7 @@ from ..validation import check_width
 from .blas_threads import (
     blas_controller,
     blas_limit,
+    blas_threads_in_force,
     resolve_blas_threads,
     side_by_side,
     side_chooser,
@@ -51,6 +52,9 @@ __all__ = ["NumpyEngine", "solve_newton_system"]
 #: (measured on the dev box's 32 MiB L3: below it Z stays cached between GEMVs and
 #: blocks only add call overhead; above it the blocked pass halved the time).
 FUSED_MIN_BYTES = 20 << 20
+#: The fused pass runs on the calling thread only, so it is taken only where the
+#: engine's BLAS runs on one thread; with more, the GEMVs it replaces are threaded.
+FUSED_ONE_THREAD_ONLY = True
 #: Bytes of Z per row block of the fused pass (to stay in a core's L2 cache).
 FUSED_BLOCK_BYTES = 384 << 10
 #: The Gram gathers the rows with κ > 0 before its SYRK when the rows it drops,
@@ -180,6 +184,7 @@ class _Batch:
         state: HuberState,
         schedule: BatchSchedule,
         side: bool = False,
+        one_thread: bool = True,
     ) -> None:
         n, d = X.shape
         p = state.n_params
@@ -208,7 +213,12 @@ class _Batch:
         # float64 only: in float32 the blocked products' other rounding moves β's last
         # bits, which κ's steep ramp (width 2h) carries into J beyond the contract's float32
         # tolerance against the per-trial GEMVs (seen with numpy 1.26's OpenBLAS).
-        self.fused = Z.dtype == np.float64 and Z.nbytes >= FUSED_MIN_BYTES
+        # One BLAS thread only: the blocks' small products run on this thread alone.
+        self.fused = (
+            (one_thread or not FUSED_ONE_THREAD_ONLY)
+            and Z.dtype == np.float64
+            and Z.nbytes >= FUSED_MIN_BYTES
+        )
         self.block_rows = max(64, FUSED_BLOCK_BYTES // (p * dt.itemsize))
         self.tau = dt.type(config.tau)
         self.half_inv_h = dt.type(0.5 / schedule.bandwidth)
@@ -464,7 +474,14 @@ class NumpyEngine:
         # the same bits). The class: dtype, p and the batch's rows to a power of 2.
         side_class = (dt.str, d, cfg.fit_intercept, n.bit_length())
         side = self._side and side_chooser().choose(side_class)
-        batch = _Batch(self._ws, X, y, w, cfg, state, schedule, side=side)
+        # Whether the BLAS runs on one thread, asked only where the fused pass is in
+        # question (reading the process's count takes about 40 µs).
+        one_thread = (
+            self.blas_threads == 1
+            or n * state.n_params * dt.itemsize < FUSED_MIN_BYTES
+            or (self.blas_threads is None and blas_threads_in_force() == 1)
+        )
+        batch = _Batch(self._ws, X, y, w, cfg, state, schedule, side=side, one_thread=one_thread)
         if cfg.penalised:
             beta, iterations, converged = _solve_lamm(batch, cfg, schedule)
         else:
