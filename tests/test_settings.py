@@ -107,6 +107,8 @@ def test_values_are_read_from_dask_config_and_text_is_parsed():
         ("poll_interval", "soon", "a duration > 0"),
         ("poll_interval", float("nan"), "a duration > 0"),
         ("engine_keep", -1, "a duration >= 0"),
+        ("auto_settle", -1, "a duration >= 0"),
+        ("auto_settle", "later", "a duration >= 0"),
         ("engine_keep", True, "a duration >= 0"),
         ("pin_max_bytes", -5, "a size >= 0"),
         ("pin_max_bytes", "lots", "a size >= 0"),
