@@ -184,7 +184,7 @@ class _Batch:
         state: HuberState,
         schedule: BatchSchedule,
         side: bool = False,
-        one_thread: bool = True,
+        blas_threads: int | None = 1,
     ) -> None:
         n, d = X.shape
         p = state.n_params
@@ -214,10 +214,12 @@ class _Batch:
         # bits, which κ's steep ramp (width 2h) carries into J beyond the contract's float32
         # tolerance against the per-trial GEMVs (seen with numpy 1.26's OpenBLAS).
         # One BLAS thread only: the blocks' small products run on this thread alone.
+        # ``blas_threads`` None is the count in force, read only where the rest holds
+        # (about 40 µs).
         self.fused = (
-            (one_thread or not FUSED_ONE_THREAD_ONLY)
-            and Z.dtype == np.float64
+            Z.dtype == np.float64
             and Z.nbytes >= FUSED_MIN_BYTES
+            and (not FUSED_ONE_THREAD_ONLY or (blas_threads or blas_threads_in_force()) == 1)
         )
         self.block_rows = max(64, FUSED_BLOCK_BYTES // (p * dt.itemsize))
         self.tau = dt.type(config.tau)
@@ -474,14 +476,9 @@ class NumpyEngine:
         # the same bits). The class: dtype, p and the batch's rows to a power of 2.
         side_class = (dt.str, d, cfg.fit_intercept, n.bit_length())
         side = self._side and side_chooser().choose(side_class)
-        # Whether the BLAS runs on one thread, asked only where the fused pass is in
-        # question (reading the process's count takes about 40 µs).
-        one_thread = (
-            self.blas_threads == 1
-            or n * state.n_params * dt.itemsize < FUSED_MIN_BYTES
-            or (self.blas_threads is None and blas_threads_in_force() == 1)
+        batch = _Batch(
+            self._ws, X, y, w, cfg, state, schedule, side=side, blas_threads=self.blas_threads
         )
-        batch = _Batch(self._ws, X, y, w, cfg, state, schedule, side=side, one_thread=one_thread)
         if cfg.penalised:
             beta, iterations, converged = _solve_lamm(batch, cfg, schedule)
         else:
