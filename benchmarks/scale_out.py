@@ -285,11 +285,18 @@ def _decode_chunks(source: str, dirs: dict[str, Path], chunk_rows: int, rows: in
             for g in range(pq.ParquetFile(path).num_row_groups):
                 jobs.append(lambda p=path, g=g: group(p, g))
         return jobs[: -(-rows // chunk_rows)]
-    if source == "zarr":
+    if source in ("zarr", "zarr-direct"):
         import zarr
 
         zx = zarr.open_array(str(dirs["zarr"] / "X"), mode="r")
         zy = zarr.open_array(str(dirs["zarr"] / "y"), mode="r")
+        if source == "zarr-direct":  # rh_dask.read_zarr's own decode, no Dask
+            from rh_dask.zarr_chunks import direct_rows
+
+            store = str(dirs["zarr"])
+            zx, zy = direct_rows(zx, store, "X", None), direct_rows(zy, store, "y", None)
+            if zx is None or zy is None:
+                raise ValueError("the Zarr store's arrays cannot be decoded directly")
         return [lambda a=a, b=b: (zx[a:b], zy[a:b]) for a, b in bounds(rows, chunk_rows)]
     raise ValueError(f"unknown source {source!r}")
 
@@ -1296,6 +1303,7 @@ def benchmark(args: argparse.Namespace) -> int:
         "dataset": dataset,
         "cpus": cpus,
         "floors": {},
+        "reader_floors": {},
         "results": [],
     }
     output = Path(args.output)
@@ -1333,6 +1341,20 @@ def benchmark(args: argparse.Namespace) -> int:
             )
             print(
                 f"load floor {source}: {payload['floors'][source].get('rows_per_second')}",
+                flush=True,
+            )
+        if "zarr" in args.sources:
+            # rh_dask.read_zarr decodes whole chunks itself (rh_dask.zarr_chunks): what
+            # that costs alone, beside the floor of zarr's own indexing the ratios use.
+            guarded(
+                payload["reader_floors"],
+                "zarr-direct",
+                lambda: load_floor("zarr-direct", dirs, plan1["loaders"][0], args),
+                repeats=1,
+            )
+            print(
+                "reader floor zarr-direct: "
+                f"{payload['reader_floors']['zarr-direct'].get('rows_per_second')}",
                 flush=True,
             )
     refs = References(args, npy_dir)

@@ -34,6 +34,7 @@ from types import ModuleType
 from typing import Any
 
 import numpy as np
+from dask.base import tokenize
 from dask.utils import natural_sort_key, parse_bytes
 
 from .exceptions import InputError, MissingExtraError
@@ -509,6 +510,38 @@ def _open_zarr(store: str, storage_options: dict[str, Any] | None) -> tuple[Modu
     return zarr, node
 
 
+def _zarr_dask(
+    array: Any, store: str, component: str | None, storage_options: dict[str, Any] | None
+) -> Any:
+    """One Zarr array as a Dask array, its whole chunks decoded directly where they can be.
+
+    With ``rh-dask.readers.zarr-direct`` on (the default) and an array that
+    :func:`rh_dask.zarr_chunks.direct_rows` can read, each block decodes its
+    chunk straight into the block (:mod:`rh_dask.zarr_chunks`); otherwise
+    :func:`dask.array.from_zarr`.
+    """
+    import dask.array as da
+
+    from .settings import zarr_direct
+    from .zarr_chunks import direct_rows
+
+    rows = direct_rows(array, store, component, storage_options) if zarr_direct() else None
+    if rows is None:
+        options = {"storage_options": storage_options} if storage_options else {}
+        if component is not None:
+            options["component"] = component
+        return da.from_zarr(store, **options)
+    return da.from_array(
+        rows,
+        chunks=rows.chunks,
+        name=f"from-zarr-direct-{tokenize(rows)}",
+        asarray=True,
+        fancy=False,
+        meta=np.empty((0,) * rows.ndim, dtype=rows.dtype),
+        inline_array=True,
+    )
+
+
 def read_zarr(
     store: str | os.PathLike[str],
     *,
@@ -564,10 +597,9 @@ def read_zarr(
     if chunk_rows is not None and chunk_rows < 1:
         raise InputError(f"chunk_rows must be >= 1, got {chunk_rows}")
     zarr, node = _open_zarr(store, storage_options)
-    options = {"storage_options": storage_options} if storage_options else {}
     if isinstance(node, zarr.Array):
         return select_columns(
-            da.from_zarr(store, **options),
+            _zarr_dask(node, store, None, storage_options),
             store,
             target=target,
             features=features,
@@ -596,7 +628,7 @@ def read_zarr(
         raise InputError(f"the Zarr group {store!r} has no feature arrays of {n_rows} rows")
 
     def load(name: str) -> Any:
-        arr = da.from_zarr(store, component=name, **options)
+        arr = _zarr_dask(arrays[name], store, name, storage_options)
         if arr.shape[0] != n_rows or arr.ndim > 2:
             raise InputError(
                 f"array {name!r} of {store!r} has shape {arr.shape}; expected {n_rows} rows "

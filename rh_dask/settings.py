@@ -29,6 +29,7 @@ from .exceptions import ValidationError
 __all__ = [
     "IN_PROCESS_MAX_ROWS",
     "NUMPY_BLAS_THREADS",
+    "ZARR_DIRECT",
     "SettingError",
     "Settings",
     "defaults",
@@ -36,6 +37,7 @@ __all__ = [
     "in_process_max_rows",
     "numpy_blas_threads",
     "setting_keys",
+    "zarr_direct",
 ]
 
 #: Rows below which ``--scheduler auto`` runs a command in this process.
@@ -43,6 +45,9 @@ IN_PROCESS_MAX_ROWS = "rh-dask.cli.in-process-max-rows"
 
 #: BLAS threads of the NumPy engine's calls ("auto" or a count).
 NUMPY_BLAS_THREADS = "rh-dask.numpy.blas-threads"
+
+#: Whether rh_dask.read_zarr decodes whole chunks straight into batches.
+ZARR_DIRECT = "rh-dask.readers.zarr-direct"
 
 _DEFAULTS_FILE = os.path.join(os.path.dirname(__file__), "rh-dask.yaml")
 
@@ -239,6 +244,17 @@ def grid_concurrent() -> bool:
     return _flag(key, dask.config.get(key))
 
 
+def zarr_direct() -> bool:
+    """The ``rh-dask.readers.zarr-direct`` setting, checked.
+
+    Raises
+    ------
+    SettingError
+        When the value is not a bool.
+    """
+    return _flag(ZARR_DIRECT, dask.config.get(ZARR_DIRECT))
+
+
 def in_process_max_rows() -> int:
     """The ``rh-dask.cli.in-process-max-rows`` setting, checked.
 
@@ -263,6 +279,10 @@ class Settings:
     in_process_max_rows : int
         ``rh-dask.cli.in-process-max-rows``: with ``--scheduler auto``, inputs
         of fewer rows run in the command's own process.
+    zarr_direct : bool
+        ``rh-dask.readers.zarr-direct``: :func:`~rh_dask.read_zarr` decodes
+        each batch's whole chunks straight into the batch where the array's
+        codecs allow (:mod:`rh_dask.zarr_chunks`); read where it is called.
     poll_interval : float
         ``rh-dask.distributed.poll-interval``: seconds one progress poll of
         the engine's actor may wait on its worker before answering; also how
@@ -392,6 +412,7 @@ class Settings:
     """
 
     in_process_max_rows: int = 10_000_000
+    zarr_direct: bool = True
     poll_interval: float = 0.25
     refill_every: int | str = "auto"
     pin_max_bytes: int = 48 << 20
@@ -459,6 +480,7 @@ class Settings:
 #: Field of :class:`Settings` -> its dask.config key and the check of its value.
 _KEYS: dict[str, tuple[str, Callable[[str, Any], Any]]] = {
     "in_process_max_rows": (IN_PROCESS_MAX_ROWS, _whole),
+    "zarr_direct": (ZARR_DIRECT, _flag),
     "poll_interval": (
         "rh-dask.distributed.poll-interval",
         lambda key, value: _seconds(key, value, positive=True),
