@@ -13,6 +13,7 @@
 #   bash benchmarks/device_pending.sh scale   # issue 14: the cheap source, N = 1-8, ring locked or not
 #   bash benchmarks/device_pending.sh formats # issue 14: Parquet and Zarr, N = 2, 4, 8
 #   bash benchmarks/device_pending.sh plateau # issue 14: what holds the cheap source at 16-19 M rows/s
+#   bash benchmarks/device_pending.sh zarr    # issue 14: read_zarr's direct decode, N = 2, 4, 8
 #
 # Each part stays under one device call's 10 minutes. What to look for is in each
 # part's comment; a part that passes is the evidence for an option's default
@@ -143,8 +144,21 @@ plateau)
             | sed "s/^/$variant: /"
     done
     ;;
+zarr)
+    # rh_dask.read_zarr decoding whole chunks itself (rh-dask.readers.zarr-direct) against
+    # zarr's indexing: the loader task took 267-283 ms a 262,144-row chunk against a floor
+    # of 234 (zarr alone), and N = 2, 4, 8 reached 0.70, 0.71, 0.61 of N x floor
+    # (scale_out-h100-formats-kept-ring.json). The JSON's reader_floors holds the direct
+    # decode's own floor. Target ratio >= 0.8 at every N (the floor stays zarr's).
+    #   bash benchmarks/device_pending.sh zarr [true|false] [LOADERS]
+    direct=${2:-true}
+    timeout ${ZARR_TIMEOUT:-560} python benchmarks/scale_out.py --engine gpu --sources zarr \
+        --loaders "${3:-2,4,8}" --compare relay --repeats 2 --lookahead auto \
+        --skip comm,relay-ceiling --config "rh-dask.readers.zarr-direct=$direct" \
+        --output "$out/scale_out-zarr-direct-$direct.json" 2>&1 | grep -E "^N=|floor"
+    ;;
 *)
-    echo "usage: $0 tests|pool|loop|wide|sweep|numpy|scale|formats|plateau" >&2
+    echo "usage: $0 tests|pool|loop|wide|sweep|numpy|scale|formats|plateau|zarr" >&2
     exit 2
     ;;
 esac

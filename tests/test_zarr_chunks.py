@@ -238,3 +238,29 @@ def test_an_fsspec_url_decodes_directly(tmp_path, no_zarr_reads):
     stream = read_zarr(f"file://{store}", target="y", features=["X"])
     assert stream.X.name.startswith("from-zarr-direct-")
     assert stream.X.blocks[5].compute(scheduler="sync").tobytes() == X[100:].tobytes()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("loader", ["cluster", "relay"])
+def test_a_fit_on_a_local_cluster_decodes_on_the_workers_and_equals_the_loop(tmp_path, loader):
+    from distributed import Client, LocalCluster
+
+    X, y = _data(9)
+    store = _store(tmp_path / "s.zarr", 3, "auto", X, y)
+    stream = read_zarr(store, target="y", features=["X"])
+    assert stream.X.name.startswith("from-zarr-direct-")
+    with (
+        LocalCluster(
+            n_workers=2, threads_per_worker=1, processes=True, dashboard_address=":0"
+        ) as lc,
+        Client(lc),
+    ):
+        model = RenewableHuberRegressor(
+            engine="numpy", progress=False, dtype="float32", loader=loader
+        )
+        model.fit(stream.X, stream.y)
+    reference = RenewableHuberRegressor(engine="numpy", progress=False, dtype="float32")
+    for start in range(0, ROWS, CHUNK):
+        reference.partial_fit(X[start : start + CHUNK], y[start : start + CHUNK])
+    assert model.coef_.tobytes() == reference.coef_.tobytes()
+    assert model.intercept_ == reference.intercept_
