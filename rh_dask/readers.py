@@ -525,7 +525,11 @@ def _zarr_dask(
     from .settings import zarr_direct
     from .zarr_chunks import direct_rows
 
-    rows = direct_rows(array, store, component, storage_options) if zarr_direct() else None
+    # A local path is made absolute here, where it was given: loading workers may
+    # run elsewhere in the tree.
+    local = "://" not in store and not store.startswith("::")
+    where = os.path.abspath(store) if local else store
+    rows = direct_rows(array, where, component, storage_options) if zarr_direct() else None
     if rows is None:
         options = {"storage_options": storage_options} if storage_options else {}
         if component is not None:

@@ -264,3 +264,13 @@ def test_a_fit_on_a_local_cluster_decodes_on_the_workers_and_equals_the_loop(tmp
         reference.partial_fit(X[start : start + CHUNK], y[start : start + CHUNK])
     assert model.coef_.tobytes() == reference.coef_.tobytes()
     assert model.intercept_ == reference.intercept_
+
+
+def test_a_relative_path_reads_from_any_working_directory(tmp_path, monkeypatch):
+    X, y = _data(10)
+    _store(tmp_path / "s.zarr", 3, "auto", X, y)
+    monkeypatch.chdir(tmp_path)
+    stream = read_zarr("s.zarr", target="y", features=["X"])
+    monkeypatch.chdir("/")
+    assert stream.X.name.startswith("from-zarr-direct-")
+    assert stream.X.blocks[1].compute(scheduler="sync").tobytes() == X[20:40].tobytes()
