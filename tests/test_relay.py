@@ -373,6 +373,33 @@ def test_a_fit_from_npy_files_sends_chunks_from_the_files_and_equals_the_loop(
     assert _left(ring_dir, client) == []
 
 
+@pytest.mark.parametrize("transport", ["tcp", "dask"])
+def test_a_fit_from_a_zarr_store_decoded_on_the_loaders_equals_the_loop(
+    client, ring_dir, tmp_path, transport, snapshot, assert_unchanged
+):
+    zarr = pytest.importorskip("zarr")
+    if int(zarr.__version__.split(".")[0]) < 3:
+        pytest.skip("the direct decode needs zarr >= 3")
+    from rh_dask import read_zarr
+
+    X, y, _ = _data(n=3_100, seed=13, dtype="float32")
+    group = zarr.open_group(str(tmp_path / "s.zarr"), mode="w", zarr_format=3)
+    for name, values in (("X", X), ("y", y)):
+        arr = group.create_array(
+            name, shape=values.shape, chunks=(700, *values.shape[1:]), dtype=values.dtype
+        )
+        arr[:] = values
+    stream = read_zarr(tmp_path / "s.zarr", target="y", features=["X"])
+    assert stream.X.name.startswith("from-zarr-direct-")
+    model = RenewableHuberRegressor(loader="relay", lookahead=3, progress=False, dtype="float32")
+    with dask.config.set({"rh-dask.relay.transport": transport}):
+        model.fit(stream.X, stream.y)
+    _assert_roles(model, client)
+    ref = _loop(_row_blocks(X, y, None, [700] * 4 + [300]), dtype="float32")
+    _same(model, ref, assert_unchanged, snapshot)
+    assert _left(ring_dir, client) == []
+
+
 def test_a_fit_from_several_npy_files_sends_every_chunk_from_them(
     client, ring_dir, tmp_path, snapshot, assert_unchanged
 ):
