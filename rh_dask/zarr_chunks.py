@@ -235,7 +235,8 @@ def direct_rows(
 
     ``None`` (zarr's own indexing then reads every chunk) for arrays chunked
     along more than the rows, of a non-native byte order, with filters,
-    sharding or codecs numcodecs does not decode, and for zarr before 3.
+    sharding or codecs numcodecs does not decode, for storage options that
+    are not plain JSON values, and for zarr before 3.
     """
     metadata = getattr(array, "metadata", None)
     if metadata is None or not hasattr(metadata, "zarr_format"):
@@ -257,10 +258,14 @@ def direct_rows(
     keys = _key_format(metadata, len(shape))
     if keys is None:
         return None
+    try:
+        options = json.dumps(storage_options or {}, sort_keys=True)
+    except (TypeError, ValueError):
+        return None  # options that are objects (credentials, sessions): zarr's indexing
     return ZarrRows(
         store=store,
         component=component,
-        storage_options=json.dumps(storage_options or {}, sort_keys=True),
+        storage_options=options,
         shape=shape,
         chunks=chunks,
         dtype=dtype.str,

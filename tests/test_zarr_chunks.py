@@ -274,3 +274,11 @@ def test_a_relative_path_reads_from_any_working_directory(tmp_path, monkeypatch)
     monkeypatch.chdir("/")
     assert stream.X.name.startswith("from-zarr-direct-")
     assert stream.X.blocks[1].compute(scheduler="sync").tobytes() == X[20:40].tobytes()
+
+
+def test_storage_options_that_are_objects_leave_the_array_to_zarr(tmp_path):
+    X, y = _data(11)
+    store = _store(tmp_path / "s.zarr", 3, "auto", X, y)
+    array = zarr.open_array(str(store / "X"))
+    assert zarr_chunks.direct_rows(array, str(store), "X", {"auto_mkdir": True}) is not None
+    assert zarr_chunks.direct_rows(array, str(store), "X", {"session": object()}) is None
