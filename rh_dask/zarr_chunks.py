@@ -188,9 +188,14 @@ class ZarrRows:
         out = np.empty(self.chunks, dtype=self.dtype)
         try:
             codec = _codec(self.codec)
+            # numcodecs decodes a frame shorter than ``out`` without a word and
+            # leaves the rest as it was: the frame's own size is checked first.
+            size = len(raw) if codec is None else declared_size(codec.codec_id, raw)
+            if size is None:
+                return None  # a frame that does not declare its size: zarr's indexing
+            if size != (out.nbytes % 2**32 if codec and codec.codec_id == "gzip" else out.nbytes):
+                raise ValueError(f"it holds {size} bytes where the chunk has {out.nbytes}")
             if codec is None:
-                if len(raw) != out.nbytes:
-                    raise ValueError(f"{len(raw)} bytes where the chunk holds {out.nbytes}")
                 out.reshape(-1).view(np.uint8)[:] = np.frombuffer(raw, dtype=np.uint8)
             else:
                 codec.decode(raw, out=out)
@@ -200,6 +205,44 @@ class ZarrRows:
             ) from exc
         rows = min(self.chunks[0], self.shape[0] - chunk * self.chunks[0])
         return out if rows == self.chunks[0] else out[:rows]
+
+
+_ZSTD_MAGIC = 0xFD2FB528
+
+
+def declared_size(codec_id: str, frame: bytes) -> int | None:
+    """The decoded size a compressed chunk declares, ``None`` where it does not.
+
+    zstd: the first frame's Frame_Content_Size (RFC 8878, 3.1.1); blosc: the
+    header's uncompressed size; gzip: ISIZE, the size modulo 2³² (RFC 1952).
+
+    Raises
+    ------
+    ValueError
+        When the frame is too short for its header (not a frame of that codec).
+    """
+    if codec_id == "zstd":
+        if len(frame) < 6 or int.from_bytes(frame[:4], "little") != _ZSTD_MAGIC:
+            raise ValueError("not a zstd frame")
+        descriptor = frame[4]
+        single = (descriptor >> 5) & 1
+        start = 5 + (0 if single else 1) + (0, 1, 2, 4)[descriptor & 3]
+        width = (1 if single else 0, 2, 4, 8)[descriptor >> 6]
+        if width == 0:
+            return None
+        if len(frame) < start + width:
+            raise ValueError("a zstd frame header cut short")
+        value = int.from_bytes(frame[start : start + width], "little")
+        return value + 256 if width == 2 else value
+    if codec_id == "blosc":  # the 16-byte header: version, versionlz, flags, typesize, nbytes
+        if len(frame) < 16:
+            raise ValueError("not a blosc frame")
+        return int.from_bytes(frame[4:8], "little")
+    if codec_id == "gzip":
+        if len(frame) < 18:
+            raise ValueError("not a gzip member")
+        return int.from_bytes(frame[-4:], "little")
+    return None
 
 
 @functools.lru_cache(maxsize=64)

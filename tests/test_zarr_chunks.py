@@ -282,3 +282,36 @@ def test_storage_options_that_are_objects_leave_the_array_to_zarr(tmp_path):
     array = zarr.open_array(str(store / "X"))
     assert zarr_chunks.direct_rows(array, str(store), "X", {"auto_mkdir": True}) is not None
     assert zarr_chunks.direct_rows(array, str(store), "X", {"session": object()}) is None
+
+
+@pytest.mark.parametrize("codec", ["zstd", "blosc", "gzip"])
+@pytest.mark.parametrize("nbytes", [4, 200, 300, 70_000, 3_000_000])
+def test_the_declared_size_of_a_frame_is_its_decoded_size(codec, nbytes):
+    import numcodecs
+
+    data = np.arange(nbytes, dtype=np.uint8)
+    frame = numcodecs.get_codec({"id": codec}).encode(data)
+    assert zarr_chunks.declared_size(codec, bytes(frame)) == nbytes
+    with pytest.raises(ValueError):
+        zarr_chunks.declared_size(codec, b"\x00\x01")
+
+
+@pytest.mark.parametrize("case", ["v3-default", "v3-blosc", "v3-gzip", "v3-none"])
+def test_a_chunk_of_another_size_is_named_not_half_filled(tmp_path, case):
+    import numcodecs
+
+    fmt, compressors = CODECS[case]
+    X, y = _data(12)
+    store = _store(tmp_path / "s.zarr", fmt, compressors, X, y)
+    bad = _x_chunk_path(store, 1, fmt)
+    short = X[:5].tobytes()  # a well-formed frame of 5 rows where the chunk has 20
+    codec_id = {"v3-default": "zstd", "v3-blosc": "blosc", "v3-gzip": "gzip"}.get(case)
+    bad.write_bytes(
+        short if codec_id is None else numcodecs.get_codec({"id": codec_id}).encode(short)
+    )
+    stream = read_zarr(store, target="y", features=["X"])
+    with pytest.raises(
+        InputError, match=f"{bad}: chunk .* holds 80 bytes where the chunk has 320"
+    ):
+        stream.X.blocks[1].compute(scheduler="sync")
+    assert stream.X.blocks[0].compute(scheduler="sync").tobytes() == X[:20].tobytes()
