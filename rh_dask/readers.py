@@ -80,10 +80,15 @@ def _filesystem(path: str, storage_options: dict[str, Any] | None) -> tuple[Any,
         raise InputError(f"cannot open {path!r}: {exc}", path=path) from exc
 
 
+def _is_local(fs: Any) -> bool:
+    """Whether ``fs`` is the local filesystem."""
+    protocol = fs.protocol if isinstance(fs.protocol, str) else fs.protocol[0]
+    return protocol in ("file", "local")
+
+
 def _shown(fs: Any, path: str) -> str:
     """The name a file is reported and read by: a URL unless it is a local file."""
-    protocol = fs.protocol if isinstance(fs.protocol, str) else fs.protocol[0]
-    return path if protocol in ("file", "local") else fs.unstrip_protocol(path)
+    return path if _is_local(fs) else fs.unstrip_protocol(path)
 
 
 def _dataset_members(fs: Any, root: str) -> list[str]:
@@ -525,10 +530,10 @@ def _zarr_dask(
     from .settings import zarr_direct
     from .zarr_chunks import direct_rows
 
-    # A local path is made absolute here, where it was given: loading workers may
-    # run elsewhere in the tree.
-    local = "://" not in store and not store.startswith("::")
-    where = os.path.abspath(store) if local else store
+    # A local store is named by its absolute path, made here where it was given:
+    # loading workers may run elsewhere in the tree.
+    fs, path = _filesystem(store, storage_options)
+    where = path if _is_local(fs) else store
     rows = direct_rows(array, where, component, storage_options) if zarr_direct() else None
     if rows is None:
         options = {"storage_options": storage_options} if storage_options else {}

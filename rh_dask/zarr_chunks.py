@@ -19,6 +19,7 @@ Decoding is numcodecs', the library zarr decodes with.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import sys
@@ -138,17 +139,7 @@ class ZarrRows:
         return len(self.shape)
 
     def __dask_tokenize__(self) -> Any:
-        return (
-            "rh-dask-zarr-rows",
-            self.store,
-            self.component,
-            self.storage_options,
-            self.shape,
-            self.chunks,
-            self.dtype,
-            self.codec,
-            self.keys,
-        )
+        return ("rh-dask-zarr-rows", dataclasses.astuple(self))
 
     def _whole_chunk(self, index: Any) -> int | None:
         """The chunk row index when ``index`` selects exactly one whole chunk of rows."""
