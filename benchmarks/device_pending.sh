@@ -9,7 +9,7 @@
 #   bash benchmarks/device_pending.sh loop    # Newton device loop and blocked Cholesky
 #   bash benchmarks/device_pending.sh wide    # grid kernels of wide designs, against the peer
 #   bash benchmarks/device_pending.sh sweep   # issue 16's judged sweep (all engines, auto, cold)
-#   bash benchmarks/device_pending.sh numpy   # NumPy engine's BLAS threads on 16 cores vs the peer
+#   bash benchmarks/device_pending.sh numpy   # NumPy engine's threads on 16 cores vs the peer
 #   bash benchmarks/device_pending.sh scale   # issue 14: the cheap source, N = 1-8, ring locked or not
 #   bash benchmarks/device_pending.sh formats # issue 14: Parquet and Zarr, N = 2, 4, 8
 #   bash benchmarks/device_pending.sh plateau # issue 14: what holds the cheap source at 16-19 M rows/s
@@ -76,12 +76,11 @@ sweep)
         --output "$out/shape_sweep-h200.json" 2>&1 | tail -30
     ;;
 numpy)
-    # On 16 cores auto leaves the host's BLAS thread count as it is: if a fixed count
-    # (1, 2, 4) beats auto for a shape class, resolve_blas_threads needs a rule for large
-    # hosts (docs/performance.md, NumPy engine). The float64 L1 cases also run with the
-    # fused LAMM pass on several threads ([t,fused-any]): the engine takes it on one only.
-    python benchmarks/numpy_engine.py --repeats 2 --threads auto 1 2 4 --opponent \
-        --fused-any-threads --output "$out/numpy_engine-h200-threads.json" 2>&1 | tail -17
+    # The NumPy engine on 16 cores: "auto" (threads measured per batch class) against
+    # fixed counts of the engine's row-block threads (BLAS on one thread in each) and
+    # the peer on its own BLAS threads. Every count gives the same bits.
+    python benchmarks/numpy_engine.py --repeats 3 --threads auto 1 2 4 8 --opponent \
+        --output "$out/numpy_engine-h200-row-blocks.json" 2>&1 | tail -17
     ;;
 scale)
     # The cheap source read with rh_dask.read_npy, chunks sent with sendfile: relay (the

@@ -11,9 +11,8 @@ once, in an order rotated between repeats (a contender that follows a
 multithreaded one meets its still-spinning BLAS threads). With
 ``--no-skip-too`` each setting also runs with the LAMM's information test
 switched off (every trial takes its Z e): the same bits, so what the test
-saves. With ``--fused-any-threads`` the float64 L1 cases also run each setting
-with the fused LAMM pass taken on several BLAS threads too (the engine takes it
-on one thread only). Writes schema-versioned JSON with every timing.
+saves. Writes schema-versioned JSON with every timing, and the medians behind
+``auto``'s thread count per product class (``auto_thread_medians_seconds``).
 
     python benchmarks/numpy_engine.py --repeats 5 --opponent --threads auto 1 2 \\
         --output benchmarks/results/numpy_engine.json
@@ -30,9 +29,9 @@ from common import SHAPES, environment, fingerprint, summarize, write_json
 from rh_dask import HuberConfig, NumpyEngine
 from rh_dask.datasets import StreamSpec
 from rh_dask.engines import numpy_engine as numpy_engine_module
-from rh_dask.engines.blas_threads import side_chooser
+from rh_dask.engines.row_blocks import thread_chooser
 
-SCHEMA = "rh-dask/bench/numpy-engine/2"
+SCHEMA = "rh-dask/bench/numpy-engine/3"
 
 
 def make_stream(rows: int, features: int, batch: int, dtype: str):
@@ -48,25 +47,19 @@ class RhDask:
         config: HuberConfig,
         threads: int | str,
         skip: bool = True,
-        fused_any_threads: bool = False,
     ) -> None:
         self.engine = NumpyEngine(config, blas_threads=threads)
         self.skip = skip
-        self.fused_any_threads = fused_any_threads
 
     def run(self, batches):
         self.engine.reset()
         check = numpy_engine_module._fails_on_information
-        one_only = numpy_engine_module.FUSED_ONE_THREAD_ONLY
         if not self.skip:
             numpy_engine_module._fails_on_information = lambda trial, total: False
-        if self.fused_any_threads:
-            numpy_engine_module.FUSED_ONE_THREAD_ONLY = False
         try:
             its = [self.engine.partial_fit(X, y).iterations for X, y in batches]
         finally:
             numpy_engine_module._fails_on_information = check
-            numpy_engine_module.FUSED_ONE_THREAD_ONLY = one_only
         return its, self.engine.coefficients()
 
 
@@ -133,11 +126,6 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="also run each setting without the LAMM's information test",
     )
-    parser.add_argument(
-        "--fused-any-threads",
-        action="store_true",
-        help="also run each setting with the fused LAMM pass on several BLAS threads too",
-    )
     parser.add_argument("--output", default="benchmarks/results/numpy_engine.json")
     args = parser.parse_args(argv)
     settings = [t if t == "auto" else int(t) for t in args.threads]
@@ -153,11 +141,6 @@ def main(argv: list[str] | None = None) -> int:
                 if args.no_skip_too and penalty == "l1":
                     for t in settings:
                         contenders[f"rh_dask_numpy[{t},no-skip]"] = RhDask(config, t, skip=False)
-                if args.fused_any_threads and penalty == "l1" and dtype == "float64":
-                    for t in settings:
-                        contenders[f"rh_dask_numpy[{t},fused-any]"] = RhDask(
-                            config, t, fused_any_threads=True
-                        )
                 if args.opponent:
                     contenders["renewable_huber_numpy"] = Opponent(config)
                 results, coefs = time_case(contenders, batches, args.repeats)
@@ -192,7 +175,10 @@ def main(argv: list[str] | None = None) -> int:
                     if "float64_error_in_tolerances" in res:
                         line += f" (f64 error {res['float64_error_in_tolerances']:.2g} tol)"
                 print(line, flush=True)
-    side = {str(k): v for k, v in side_chooser().medians().items()}
+    medians = {
+        str(key): {str(count): seconds for count, seconds in per_count.items()}
+        for key, per_count in thread_chooser().medians().items()
+    }
     payload = {
         "schema": SCHEMA,
         "environment": environment(),
@@ -201,9 +187,8 @@ def main(argv: list[str] | None = None) -> int:
             "threads": settings,
             "opponent": args.opponent,
             "no_skip_too": args.no_skip_too,
-            "fused_any_threads": args.fused_any_threads,
         },
-        "side_by_side_commit_medians_seconds": side,
+        "auto_thread_medians_seconds": medians,
         "cases": cases,
     }
     write_json(args.output, payload)

@@ -307,9 +307,9 @@ class Settings:
         heap (glibc's ``mallopt``; a process-wide change, restored when the
         stream ends). Off unless asked for.
     numpy_blas_threads : int or "auto"
-        ``rh-dask.numpy.blas-threads``: BLAS threads of the NumPy engine's
-        calls, a count or ``"auto"`` (one thread on hosts of at most two
-        usable cores, else the count in force; docs/settings.md).
+        ``rh-dask.numpy.blas-threads``: threads of the NumPy engine's
+        products, a count or ``"auto"`` (measured per batch class; each BLAS
+        call on one thread, so no count changes a bit; docs/settings.md).
     gpu_graphs : bool
         ``rh-dask.gpu.graphs``: the GPU engine replays captured CUDA graphs.
     gpu_hold_gil : bool

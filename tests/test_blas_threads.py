@@ -1,4 +1,4 @@
-"""The NumPy engine's BLAS thread count: the rule, the setting, the restored count."""
+"""The NumPy engine's threads: the setting, BLAS on one thread, the restored count."""
 
 from __future__ import annotations
 
@@ -10,8 +10,10 @@ from threadpoolctl import threadpool_info, threadpool_limits
 from rh_dask import HuberConfig, NumpyEngine, ValidationError
 from rh_dask.engines import make_engine
 from rh_dask.engines import numpy_engine as numpy_engine_module
+from rh_dask.engines import row_blocks as row_blocks_module
 from rh_dask.engines.blas_threads import (
-    SINGLE_THREAD_MAX_CORES,
+    blas_threads_in_force,
+    one_blas_thread,
     resolve_blas_threads,
     usable_cores,
 )
@@ -30,12 +32,12 @@ def _stream(dtype: str = "float64", n: int = 3000, d: int = 6, seed: int = 3):
     return [(X[i : i + step], y[i : i + step]) for i in range(0, n, step)]
 
 
-def test_auto_takes_one_thread_on_small_hosts_and_leaves_larger_ones_alone():
-    assert resolve_blas_threads("auto", cores=1) == 1
-    assert resolve_blas_threads("auto", cores=SINGLE_THREAD_MAX_CORES) == 1
-    assert resolve_blas_threads("AUTO", cores=SINGLE_THREAD_MAX_CORES + 1) is None
-    assert resolve_blas_threads(3, cores=1) == 3
+def test_auto_is_measured_and_a_count_is_kept():
+    assert resolve_blas_threads("auto") is None
+    assert resolve_blas_threads(" AUTO ") is None
+    assert resolve_blas_threads(3) == 3
     assert usable_cores() >= 1
+    assert NumpyEngine(HuberConfig()).blas_threads is None
 
 
 @pytest.mark.parametrize("value", [0, -2, True, 1.5, "two", None])
@@ -47,16 +49,24 @@ def test_a_malformed_count_is_refused(value):
 
 
 @pytest.mark.parametrize("penalty", ["none", "l1"])
-def test_calls_run_on_the_engines_count_and_restore_the_callers(monkeypatch, penalty):
+@pytest.mark.parametrize("threads", [1, 2])
+def test_calls_run_blas_on_one_thread_and_restore_the_callers(monkeypatch, penalty, threads):
     seen: list[list[int]] = []
-    gram = numpy_engine_module._Batch.gram
+    run_tasks = numpy_engine_module.run_tasks
 
-    def recording_gram(batch):
-        seen.append(_blas_counts())
-        return gram(batch)
+    def recording(tasks, count):
+        def watched(task):
+            def run():
+                seen.append(_blas_counts())
+                return task()
 
-    monkeypatch.setattr(numpy_engine_module._Batch, "gram", recording_gram)
-    engine = NumpyEngine(HuberConfig(penalty=penalty), blas_threads=1)
+            return run
+
+        return run_tasks([watched(task) for task in tasks], count)
+
+    monkeypatch.setattr(numpy_engine_module, "run_tasks", recording)
+    monkeypatch.setattr(row_blocks_module, "MIN_BLOCK_BYTES", 4096)
+    engine = NumpyEngine(HuberConfig(penalty=penalty), blas_threads=threads)
     with threadpool_limits(limits=2, user_api="blas"):
         before = _blas_counts()
         for X, y in _stream():
@@ -69,10 +79,10 @@ def test_calls_run_on_the_engines_count_and_restore_the_callers(monkeypatch, pen
 
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
 def test_the_engines_count_decides_the_bits_whatever_the_callers(dtype):
-    """The distributed walk pins one thread around engine calls: the engine's count wins."""
+    """BLAS runs on one thread whatever the caller set, and the engine's count moves no bit."""
     results = []
-    for outer in (1, 2, None):
-        engine = NumpyEngine(HuberConfig(dtype=dtype), blas_threads=1)
+    for outer, threads in ((1, 1), (2, 1), (None, 1), (4, 2), (1, 3)):
+        engine = NumpyEngine(HuberConfig(dtype=dtype), blas_threads=threads)
         with threadpool_limits(limits=outer, user_api="blas"):
             for X, y in _stream(dtype, n=300_000, d=24):
                 engine.partial_fit(X, y)
@@ -87,6 +97,33 @@ def test_make_engine_reads_the_setting():
     with dask.config.set({"rh-dask.numpy.blas-threads": 2}):
         assert make_engine("numpy", HuberConfig()).blas_threads == 2
     with dask.config.set({"rh-dask.numpy.blas-threads": "auto"}):
-        assert make_engine("numpy", HuberConfig()).blas_threads == resolve_blas_threads("auto")
+        assert make_engine("numpy", HuberConfig()).blas_threads is None
     with dask.config.set({"rh-dask.numpy.blas-threads": "lots"}), pytest.raises(SettingError):
         make_engine("numpy", HuberConfig())
+
+
+def test_one_blas_thread_holds_until_the_last_thread_leaves():
+    """Thread counts are per process: one engine leaving must not lift another's limit."""
+    import threading
+
+    entered, release = threading.Event(), threading.Event()
+    inside: list[int] = []
+
+    def other() -> None:
+        with one_blas_thread():
+            entered.set()
+            release.wait(10)
+            inside.append(blas_threads_in_force())
+
+    with threadpool_limits(limits=2, user_api="blas"):
+        before = blas_threads_in_force()
+        thread = threading.Thread(target=other)
+        thread.start()
+        assert entered.wait(10)
+        with one_blas_thread():
+            assert blas_threads_in_force() == 1
+        assert blas_threads_in_force() == 1  # the other thread is still inside
+        release.set()
+        thread.join(10)
+        assert inside == [1]
+        assert blas_threads_in_force() == before

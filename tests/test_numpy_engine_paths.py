@@ -1,7 +1,8 @@
 """The NumPy engine's fast paths give the plain path's answer.
 
-* Side by side (``blas-threads: auto`` on one BLAS thread with a second core):
-  the same one-thread products, overlapped, so the very same bits.
+* Row blocks on any number of threads (``blas-threads`` a count, or ``auto``
+  measuring one per batch class): the same one-thread products, summed in
+  the same order, so the very same bits.
 * The fused LAMM pass (Z streamed once per iteration in row blocks, the
   first two trials together): the contract's decisions in the contract's
   order, so the same iteration counts, and states within its tolerances
@@ -19,8 +20,8 @@ import pytest
 from threadpoolctl import threadpool_info
 
 from rh_dask import HuberConfig, NumpyEngine
-from rh_dask.engines import blas_threads as blas_threads_module
 from rh_dask.engines import numpy_engine as numpy_engine_module
+from rh_dask.engines import row_blocks as row_blocks_module
 
 TOL = {"float64": {"rtol": 1e-8, "atol": 2e-9}, "float32": {"rtol": 3e-4, "atol": 3e-5}}
 
@@ -43,102 +44,88 @@ def _run(engine: NumpyEngine, batches) -> tuple[list, object]:
     return diags, engine.export_state()
 
 
-class _Always:
-    """A chooser that always says side by side (and keeps what it is told)."""
+class _Cycling:
+    """A chooser that takes each count in turn (and keeps what it is told)."""
 
     def __init__(self) -> None:
+        self.taken: list[int] = []
         self.records: list[tuple] = []
 
-    def choose(self, key) -> bool:
-        return True
+    def choose(self, key, counts) -> int:
+        self.taken.append(counts[len(self.taken) % len(counts)])
+        return self.taken[-1]
 
-    def record(self, key, side, seconds) -> None:
-        self.records.append((key, side))
-
-
-def _side_engine(monkeypatch, config: HuberConfig, side: bool) -> NumpyEngine:
-    monkeypatch.setattr(blas_threads_module, "usable_cores", lambda: 2 if side else 1)
-    monkeypatch.setattr(numpy_engine_module, "side_chooser", lambda: _Always())
-    engine = NumpyEngine(config, blas_threads="auto")
-    assert engine.blas_threads == 1
-    return engine
+    def record(self, key, count, seconds) -> None:
+        self.records.append((key, count))
 
 
-def test_the_chooser_tries_both_ways_then_takes_the_faster_and_probes_the_other():
-    chooser = blas_threads_module.SideChooser(keep=3, warmup=2, probe_every=5)
-    key = ("<f8", 90, True, 16)
-    times = {True: 1.0, False: 2.0}  # side by side twice as fast
-    ways = []
-    for _ in range(20):
-        way = chooser.choose(key)
-        ways.append(way)
-        chooser.record(key, way, times[way])
-    assert ways[:4] == [True, False, True, False]  # both ways, twice each
-    later = ways[4:]
-    assert later.count(False) == sum(1 for i in range(5, 21) if i % 5 == 0)  # the probes
-    assert chooser.medians()[key] == (2.0, 1.0)
-    # The host gets busy: side by side now slower; the probes see it, the choice follows.
-    times = {True: 3.0, False: 2.0}
-    for _ in range(20):
-        way = chooser.choose(key)
-        chooser.record(key, way, times[way])
-    assert chooser.medians()[key] == (2.0, 3.0)
-    assert chooser.choose(("<f8", 90, True, 12)) is True  # another class starts afresh
-
-
-def test_side_by_side_is_what_auto_does_on_two_cores_only():
-    assert blas_threads_module.side_by_side("auto", cores=2)
-    assert not blas_threads_module.side_by_side("auto", cores=1)
-    assert not blas_threads_module.side_by_side(1, cores=2)
-    assert not blas_threads_module.side_by_side(2, cores=2)
-    # Larger hosts keep the count in force: no second thread beside it.
-    many = blas_threads_module.SINGLE_THREAD_MAX_CORES + 1
-    assert not blas_threads_module.side_by_side("auto", cores=many)
+def _small_blocks(monkeypatch, cores: int = 4) -> None:
+    """Blocks of a few KiB, so that the tests' small batches are cut into many."""
+    monkeypatch.setattr(row_blocks_module, "MIN_BLOCK_BYTES", 2048)
+    monkeypatch.setattr(row_blocks_module, "usable_cores", lambda: cores)
+    monkeypatch.setattr(numpy_engine_module, "GEMV_SPREAD_MIN_BYTES", 0)
 
 
 @pytest.mark.parametrize("penalty", ["none", "l1"])
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
 @pytest.mark.parametrize("weighted", [False, True])
-def test_side_by_side_gives_the_same_bits(monkeypatch, penalty, dtype, weighted):
-    monkeypatch.setattr(numpy_engine_module, "SIDE_MIN_FLOPS", 0)
+def test_any_thread_count_gives_the_same_bits(monkeypatch, penalty, dtype, weighted):
+    _small_blocks(monkeypatch)
     config = HuberConfig(penalty=penalty, dtype=dtype)
     batches = _stream(dtype, weighted)
-    side_calls = []
-    score_gram = numpy_engine_module._Batch.score_gram
+    threads_seen: set[str] = set()
+    blas_seen: set[int] = set()
+    run_tasks = numpy_engine_module.run_tasks
 
-    def recording(batch):
-        counts = [pool["num_threads"] for pool in threadpool_info() if pool["user_api"] == "blas"]
-        side_calls.append((threading.current_thread().name, counts))
-        return score_gram(batch)
+    def watching(tasks, count):
+        def watched(task):
+            def run():
+                threads_seen.add(threading.current_thread().name)
+                blas_seen.update(
+                    pool["num_threads"] for pool in threadpool_info() if pool["user_api"] == "blas"
+                )
+                return task()
 
-    monkeypatch.setattr(numpy_engine_module._Batch, "score_gram", recording)
-    alone_diags, alone = _run(_side_engine(monkeypatch, config, side=False), batches)
-    side_calls.clear()
-    side_diags, beside = _run(_side_engine(monkeypatch, config, side=True), batches)
-    # K's Gram ran on the side thread, under the engine's one-thread count.
-    assert len(side_calls) == len(batches)
-    for thread, counts in side_calls:
-        assert thread.startswith("rh-dask-numpy-side") and counts == [1] * len(counts)
-    for name in ("coefficients", "information", "score_variance"):
-        assert getattr(alone, name).tobytes() == getattr(beside, name).tobytes(), name
-    assert alone_diags == side_diags
+            return run
+
+        return run_tasks([watched(task) for task in tasks], count)
+
+    monkeypatch.setattr(numpy_engine_module, "run_tasks", watching)
+    one_diags, one = _run(NumpyEngine(config, blas_threads=1), batches)
+    assert threads_seen == {threading.current_thread().name}
+    for threads in (2, 3, "auto"):
+        chooser = _Cycling()
+        monkeypatch.setattr(numpy_engine_module, "thread_chooser", lambda c=chooser: c)
+        diags, state = _run(NumpyEngine(config, blas_threads=threads), batches)
+        for name in ("coefficients", "information", "score_variance"):
+            assert getattr(one, name).tobytes() == getattr(state, name).tobytes(), (threads, name)
+        assert diags == one_diags, threads
+        if threads == "auto":
+            assert set(chooser.taken) == {1, 2, 4}  # powers of two up to the 4 cores
+            assert len(chooser.records) == len(batches)
+    assert any(name.startswith("rh-dask-numpy-rows") for name in threads_seen)
+    assert blas_seen == {1}
 
 
-def test_an_error_on_the_side_thread_leaves_the_state_unchanged(monkeypatch):
-    monkeypatch.setattr(numpy_engine_module, "SIDE_MIN_FLOPS", 0)
-    engine = _side_engine(monkeypatch, HuberConfig(), side=True)
+def test_an_error_in_a_row_block_leaves_the_state_unchanged(monkeypatch):
+    _small_blocks(monkeypatch)
+    engine = NumpyEngine(HuberConfig(), blas_threads=2)
     (X, y, _), (X2, y2, _) = _stream("float64", False)[:2]
     engine.partial_fit(X, y)
     before = engine.export_state()
+    tasks = numpy_engine_module._Batch.score_gram_tasks
 
     def failing(batch):
-        raise FloatingPointError("side product failed")
+        def fail():
+            raise FloatingPointError("row block failed")
 
-    monkeypatch.setattr(numpy_engine_module._Batch, "score_gram", failing)
-    with pytest.raises(FloatingPointError, match="side product failed"):
+        return [*tasks(batch), fail]
+
+    monkeypatch.setattr(numpy_engine_module._Batch, "score_gram_tasks", failing)
+    with pytest.raises(FloatingPointError, match="row block failed"):
         engine.partial_fit(X2, y2)
     assert engine.export_state().equals(before)
-    monkeypatch.undo()
+    monkeypatch.setattr(numpy_engine_module._Batch, "score_gram_tasks", tasks)
     engine.partial_fit(X2, y2)
     assert engine.batch_count == 2
 
@@ -183,10 +170,9 @@ def test_the_fused_lamm_pass_takes_the_plain_paths_steps(
     assert fused.n_samples_seen == plain.n_samples_seen
 
 
-def test_the_fused_lamm_pass_is_taken_only_on_one_blas_thread(monkeypatch):
-    """Its blocks' products run on the calling thread: with more BLAS threads the GEMVs win."""
-    from threadpoolctl import threadpool_limits
-
+def test_the_fused_lamm_pass_is_taken_by_the_shape_at_any_thread_count(monkeypatch):
+    """Its blocks run on one thread whatever the count: the same bits at every count."""
+    _small_blocks(monkeypatch)
     taken = _count_fused_passes(monkeypatch)
     config = HuberConfig(penalty="l1")
     batches = _stream("float64", False, n=4000, d=12)
@@ -195,31 +181,21 @@ def test_the_fused_lamm_pass_is_taken_only_on_one_blas_thread(monkeypatch):
     for threads in (2, 4):
         taken.clear()
         _, state = _run(NumpyEngine(config, blas_threads=threads), batches)
-        assert taken == []
-        np.testing.assert_allclose(state.coefficients, plain.coefficients, **TOL["float64"])
-    # "auto" on a large host leaves the count in force: the process's, read per batch.
-    monkeypatch.setattr(blas_threads_module, "usable_cores", lambda: 16)
-    for limit, fused in ((1, True), (2, False)):
-        taken.clear()
-        with threadpool_limits(limits=limit, user_api="blas"):
-            if blas_threads_module.blas_threads_in_force() != limit:
-                continue  # a BLAS that cannot run this many threads here
-            _run(NumpyEngine(config, blas_threads="auto"), batches)
-        assert bool(taken) == fused
+        assert taken
+        assert state.equals(plain)
 
 
 @pytest.mark.parametrize("penalty", ["none", "l1"])
 def test_the_measured_choice_changes_no_bit_of_a_stream(monkeypatch, penalty):
-    """The process's real chooser, switching ways between batches, against one thread alone."""
-    monkeypatch.setattr(numpy_engine_module, "SIDE_MIN_FLOPS", 0)
-    monkeypatch.setattr(blas_threads_module, "usable_cores", lambda: 2)
-    chooser = blas_threads_module.SideChooser(keep=3, warmup=1, probe_every=2)
-    monkeypatch.setattr(numpy_engine_module, "side_chooser", lambda: chooser)
+    """The real chooser, switching counts between batches, against one thread alone."""
+    _small_blocks(monkeypatch, cores=2)
+    chooser = row_blocks_module.ThreadChooser(keep=3, warmup=1, probe_every=2)
+    monkeypatch.setattr(numpy_engine_module, "thread_chooser", lambda: chooser)
     config = HuberConfig(penalty=penalty)
     batches = _stream("float64", True, n=8000) * 2
     measured_diags, measured = _run(NumpyEngine(config, blas_threads="auto"), batches)
-    ways = [w for pair in chooser._samples.values() for w in map(len, pair)]
-    assert min(ways) >= 1  # both ways were taken
+    medians = list(chooser.medians().values())
+    assert medians and all(set(m) == {1, 2} for m in medians)  # both counts were taken
     alone_diags, alone = _run(NumpyEngine(config, blas_threads=1), batches)
     assert measured.equals(alone)
     assert measured_diags == alone_diags

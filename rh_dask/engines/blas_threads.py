@@ -1,39 +1,22 @@
-"""How many BLAS threads the NumPy engine runs its own calls with.
+"""BLAS threads around the NumPy engine's calls, and the host's cores.
 
-``rh-dask.numpy.blas-threads`` is ``"auto"`` or a count. A count is used as
-given. ``"auto"`` is a rule from measurements of the engine on the sweep's
-shapes (docs/performance.md, NumPy engine): on a host of at most
-:data:`SINGLE_THREAD_MAX_CORES` usable cores one thread was as fast or faster
-on every shape class, and a second thread cost 1.9-24x whenever any other
-work shared the cores (OpenBLAS's spinning threads compete with it), so the
-engine takes one thread there. On larger hosts the rule has not been
-measured, and ``"auto"`` leaves the count in force (the caller's or the
-process's).
-
-The count is fixed per engine, never per batch: multithreaded BLAS sums in
-an order that depends on the thread count, and a stream is reproducible bit
-for bit only with one count throughout.
-
-Where ``"auto"`` takes one thread on a host of at least two usable cores,
-the engine may run products that do not depend on each other side by side
-instead (:func:`side_executor`): each is the same one-thread BLAS call it
-would be alone, so the bits do not depend on whether, or how much, they
-overlap. Whether it pays depends on what else the host runs (a second core
-that is idle halves the commit's two Grams; one that is busy made them up to
-1.9x slower), so it is chosen by measurement, per shape class, while the
-process runs (:class:`SideChooser`); the choice cannot change a result.
+``rh-dask.numpy.blas-threads`` is ``"auto"`` or a count of the threads that
+run the engine's products (:mod:`rh_dask.engines.row_blocks`). Either way each
+BLAS call runs on one thread (:func:`one_blas_thread`): BLAS's own threads sum
+in an order that depends on their count, and they spin after each call
+(measured: about 0.13 s on the dev box's OpenBLAS 0.3.31, one core each),
+which cost the engine 1.9-24x whenever other work shared the cores. The
+engine's own threads run fixed row blocks instead, so that their count, given
+or measured, changes no bit.
 """
 
 from __future__ import annotations
 
 import functools
 import os
-import statistics
+import threading
 import time
-from collections import deque
-from collections.abc import Hashable
-from concurrent.futures import ThreadPoolExecutor
-from contextlib import AbstractContextManager, nullcontext
+from contextlib import AbstractContextManager
 from typing import Any
 
 from threadpoolctl import ThreadpoolController
@@ -41,109 +24,19 @@ from threadpoolctl import ThreadpoolController
 from ..exceptions import ValidationError
 
 __all__ = [
-    "SINGLE_THREAD_MAX_CORES",
     "ProcessIdle",
-    "SideChooser",
     "blas_controller",
-    "blas_limit",
     "blas_threads_in_force",
+    "one_blas_thread",
     "resolve_blas_threads",
-    "side_by_side",
-    "side_chooser",
-    "side_executor",
     "usable_cores",
 ]
-
-#: Usable cores up to which ``"auto"`` runs the engine's BLAS on one thread.
-SINGLE_THREAD_MAX_CORES = 2
 
 
 @functools.cache
 def blas_controller() -> ThreadpoolController:
     """The process's thread pools, inspected once."""
     return ThreadpoolController()
-
-
-@functools.cache
-def side_executor() -> ThreadPoolExecutor:
-    """The process's one extra thread for the NumPy engine's side-by-side products.
-
-    One worker, shared by every engine of the process (engines on several
-    threads queue their products on it); created at the first use.
-    """
-    return ThreadPoolExecutor(max_workers=1, thread_name_prefix="rh-dask-numpy-side")
-
-
-class SideChooser:
-    """Side by side or alone, per shape class, from the times of recent batches.
-
-    Each shape class (a hashable key) is tried both ways until each has
-    ``warmup`` samples; then the way with the lower median of its last
-    ``keep`` samples is taken, except every ``probe_every``-th batch, which
-    takes the other way, so that a change of the host's load is seen. Safe
-    to share between threads (each update is a single dictionary or deque
-    operation).
-
-    Parameters
-    ----------
-    keep : int
-        Samples kept per way and class.
-    warmup : int
-        Samples per way before the medians decide.
-    probe_every : int
-        Period of the batches that try the way not chosen.
-    """
-
-    def __init__(self, keep: int = 5, warmup: int = 2, probe_every: int = 12) -> None:
-        self.keep, self.warmup, self.probe_every = keep, warmup, probe_every
-        self._samples: dict[Hashable, tuple[deque[float], deque[float]]] = {}
-        self._seen: dict[Hashable, int] = {}
-
-    def _get(self, key: Hashable) -> tuple[deque[float], deque[float]]:
-        found = self._samples.get(key)
-        if found is None:
-            found = self._samples.setdefault(
-                key, (deque(maxlen=self.keep), deque(maxlen=self.keep))
-            )
-        return found
-
-    def choose(self, key: Hashable) -> bool:
-        """True: run the class's next batch side by side."""
-        alone, beside = self._get(key)
-        seen = self._seen[key] = self._seen.get(key, 0) + 1
-        if len(alone) < self.warmup or len(beside) < self.warmup:
-            return len(beside) <= len(alone)
-        best = statistics.median(beside) <= statistics.median(alone)
-        return best != (seen % self.probe_every == 0)
-
-    def record(self, key: Hashable, side: bool, seconds: float) -> None:
-        """The time a batch of class ``key`` took, run side by side or not."""
-        self._get(key)[int(side)].append(seconds)
-
-    def medians(self) -> dict[Hashable, tuple[float | None, float | None]]:
-        """Per class: median seconds alone and side by side (None: no sample yet)."""
-        return {
-            key: tuple(statistics.median(d) if d else None for d in ways)  # type: ignore[misc]
-            for key, ways in list(self._samples.items())
-        }
-
-
-@functools.cache
-def side_chooser() -> SideChooser:
-    """The process's :class:`SideChooser` (the load it measures is the host's)."""
-    return SideChooser()
-
-
-def side_by_side(setting: int | str, cores: int | None = None) -> bool:
-    """Whether ``setting`` runs independent products side by side (see the module).
-
-    True for ``"auto"`` where it takes one BLAS thread on a host of at least
-    two usable cores; a count given explicitly is used as given, alone.
-    """
-    if not (isinstance(setting, str) and setting.strip().lower() == "auto"):
-        return False
-    cores = usable_cores() if cores is None else cores
-    return cores >= 2 and resolve_blas_threads(setting, cores) == 1
 
 
 def usable_cores() -> int:
@@ -154,15 +47,13 @@ def usable_cores() -> int:
         return os.cpu_count() or 1
 
 
-def resolve_blas_threads(setting: int | str, cores: int | None = None) -> int | None:
-    """The engine's BLAS thread count for ``setting`` (``None``: leave it as it is).
+def resolve_blas_threads(setting: int | str) -> int | None:
+    """The engine's thread count for ``setting`` (``None``: measured, ``"auto"``).
 
     Parameters
     ----------
     setting : int or "auto"
         ``rh-dask.numpy.blas-threads``: a count >= 1, or ``"auto"``.
-    cores : int, optional
-        Usable cores of the host (default: :func:`usable_cores`).
 
     Raises
     ------
@@ -170,8 +61,7 @@ def resolve_blas_threads(setting: int | str, cores: int | None = None) -> int | 
         When ``setting`` is neither ``"auto"`` nor a whole number >= 1.
     """
     if isinstance(setting, str) and setting.strip().lower() == "auto":
-        cores = usable_cores() if cores is None else cores
-        return 1 if cores <= SINGLE_THREAD_MAX_CORES else None
+        return None
     if isinstance(setting, bool) or not isinstance(setting, int) or setting < 1:
         raise ValidationError(
             f'blas_threads must be "auto" or a whole number >= 1, got {setting!r}'
@@ -185,11 +75,66 @@ def blas_threads_in_force() -> int:
     return max(counts, default=1)
 
 
-def blas_limit(threads: int | None) -> AbstractContextManager[Any]:
-    """A context running BLAS on ``threads`` threads, restoring the count on exit."""
-    if threads is None:
-        return nullcontext()
-    return blas_controller().limit(limits=threads, user_api="blas")
+def _release_openblas_control() -> None:
+    """Let any thread set OpenBLAS's thread count again (threadpoolctl >= 3.8).
+
+    threadpoolctl 3.8 lets only one "controlling" thread set the count of an
+    OpenBLAS on its own threads and ignores the others' calls, until that
+    thread clears it. The engine's calls run on whichever thread the user, a
+    Dask worker or the stream's consumer gives them, and must run BLAS on one
+    thread there. This is the one place that reaches for it:
+    ``OpenBLASController.clear_controlling_thread``; without it (older
+    threadpoolctl) every thread may set the count, and nothing is needed.
+    """
+    import threadpoolctl
+
+    clear = getattr(
+        getattr(threadpoolctl, "OpenBLASController", None), "clear_controlling_thread", None
+    )
+    if clear is not None:
+        clear(force=True)
+
+
+class _OneThread:
+    """Every BLAS library of the process on one thread while any thread is inside.
+
+    BLAS thread counts are per process: a plain limit that one thread restores
+    on exit would change the count under another thread still computing. So
+    the first thread in sets the limit (taking the control threadpoolctl
+    gives one thread, see :func:`_release_openblas_control`) and the last one
+    out restores the counts in force before and gives the control back.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._inside = 0
+        self._limiter: Any = None
+
+    def __enter__(self) -> None:
+        with self._lock:
+            if self._inside == 0:
+                limiter = blas_controller().limit(limits=1, user_api="blas")
+                if blas_threads_in_force() != 1:  # another thread holds the control
+                    _release_openblas_control()
+                    limiter = blas_controller().limit(limits=1, user_api="blas")
+                self._limiter = limiter
+            self._inside += 1
+
+    def __exit__(self, *exc: object) -> None:
+        with self._lock:
+            self._inside -= 1
+            if self._inside == 0:
+                limiter, self._limiter = self._limiter, None
+                limiter.restore_original_limits()
+                _release_openblas_control()
+
+
+_ONE_THREAD = _OneThread()
+
+
+def one_blas_thread() -> AbstractContextManager[None]:
+    """A context in which the process's BLAS runs on one thread (see :class:`_OneThread`)."""
+    return _ONE_THREAD
 
 
 class ProcessIdle:

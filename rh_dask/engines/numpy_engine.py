@@ -1,8 +1,10 @@
 """The NumPy reference engine: the contract, exactly, and fast on a CPU.
 
 Every product goes through BLAS (GEMV for residuals and gradients, SYRK for
-the weighted Gram), every row-length temporary lives in a workspace that is
-reused across iterations and batches, and float32 streams compute in float32.
+the weighted Gram) on one BLAS thread, in fixed row blocks that run on as many
+threads as is fastest (:mod:`rh_dask.engines.row_blocks`: the same bits on any
+number); every row-length temporary lives in a workspace that is reused across
+iterations and batches, and float32 streams compute in float32.
 """
 
 from __future__ import annotations
@@ -36,15 +38,8 @@ from ..residuals import outlier_share, residual_scale
 from ..row_major import as_row_major
 from ..state import BatchDiagnostics, HuberState
 from ..validation import check_width
-from .blas_threads import (
-    blas_controller,
-    blas_limit,
-    blas_threads_in_force,
-    resolve_blas_threads,
-    side_by_side,
-    side_chooser,
-    side_executor,
-)
+from .blas_threads import one_blas_thread, resolve_blas_threads
+from .row_blocks import row_blocks, run_tasks, thread_chooser, thread_counts
 
 __all__ = ["NumpyEngine", "solve_newton_system"]
 
@@ -52,9 +47,6 @@ __all__ = ["NumpyEngine", "solve_newton_system"]
 #: (measured on the dev box's 32 MiB L3: below it Z stays cached between GEMVs and
 #: blocks only add call overhead; above it the blocked pass halved the time).
 FUSED_MIN_BYTES = 20 << 20
-#: The fused pass runs on the calling thread only, so it is taken only where the
-#: engine's BLAS runs on one thread; with more, the GEMVs it replaces are threaded.
-FUSED_ONE_THREAD_ONLY = True
 #: Bytes of Z per row block of the fused pass (to stay in a core's L2 cache).
 FUSED_BLOCK_BYTES = 384 << 10
 #: The Gram gathers the rows with κ > 0 before its SYRK when the rows it drops,
@@ -64,9 +56,15 @@ FUSED_BLOCK_BYTES = 384 << 10
 GATHER_MIN_SAVING = 12
 #: Bytes of Z per gathered row block (a fraction of a core's L2 cache).
 GATHER_BLOCK_BYTES = 256 << 10
-#: Gram products of at least this many multiply-adds (rows × p²) go to the side
-#: thread beside the main one's work; smaller ones cost less than the hand-off.
-SIDE_MIN_FLOPS = 1 << 22
+#: A batch's GEMVs spread their row blocks over its threads only
+#: when X holds at least this many bytes: handing blocks to another thread costs about
+#: 65 µs on the dev box, and below it a second thread made the sweep's GEMVs slower
+#: (float32 reference and wide batches) or gained little (docs/performance.md).
+GEMV_SPREAD_MIN_BYTES = 16 << 20
+#: The products that are GEMVs only (no Gram among their blocks).
+_GEMV_KINDS = frozenset({"matvec", "rmatvec"})
+#: The products that run on one thread whatever the count (see :meth:`_Batch.run`).
+_ONE_THREAD_KINDS = frozenset({"trial1", "trial2"})
 
 
 def solve_newton_system(hessian: np.ndarray, gradient: np.ndarray) -> np.ndarray:
@@ -78,7 +76,7 @@ def solve_newton_system(hessian: np.ndarray, gradient: np.ndarray) -> np.ndarray
     several times its single-threaded time (docs/performance.md, NumPy
     engine).
     """
-    with blas_controller().limit(limits=1, user_api="blas"):
+    with one_blas_thread():
         return _solve_ladder(hessian, gradient)
 
 
@@ -152,17 +150,21 @@ class _Workspace:
         self.dtype = dtype
         self.rows = 0
         self.cols = 0
-        self.scaled_k: np.ndarray | None = None
 
-    def ensure(self, n: int, p: int, side: bool) -> None:
-        if n <= self.rows and p == self.cols and (self.scaled_k is not None or not side):
+    def scaled_k_for(self, n: int) -> np.ndarray:
+        """K's scaled Z for ``n`` rows (its own buffer: K's Gram runs beside J's)."""
+        if self.scaled_k is None:
+            self.scaled_k = np.empty_like(self.scaled)
+        return self.scaled_k[:n]
+
+    def ensure(self, n: int, p: int) -> None:
+        if n <= self.rows and p == self.cols:
             return
         rows = max(n, self.rows if p == self.cols else 0)
         dt = self.dtype
         self.design = np.empty((rows, p), dtype=dt)  # Z when an intercept is added
-        self.scaled = np.empty((rows, p), dtype=dt)  # √(wκ) ⊙ Z for the Gram
-        # K's scaled Z, its own when K's Gram runs on the side thread beside J's.
-        self.scaled_k = np.empty((rows, p), dtype=dt) if side else None
+        self.scaled = np.empty((rows, p), dtype=dt)  # √(wκ) ⊙ Z for J's Gram
+        self.scaled_k: np.ndarray | None = None  # √w |ψ| ⊙ Z for K's, made at first use
         names = ("r", "psi", "over", "lo", "hi", "kappa", "zdir", "t1", "t2", "t3", "t4")
         names += ("zdir2", "r1", "r2", "psi1", "psi2")  # the fused LAMM pass's candidates
         for name in names:
@@ -183,16 +185,15 @@ class _Batch:
         config: HuberConfig,
         state: HuberState,
         schedule: BatchSchedule,
-        side: bool = False,
-        blas_threads: int | None = 1,
+        threads: int = 1,
     ) -> None:
         n, d = X.shape
         p = state.n_params
         dt = config.np_dtype
-        side = side and n * p * p >= SIDE_MIN_FLOPS
-        ws.ensure(n, p, side)
-        #: Whether this batch's independent Gram products run side by side.
-        self.side = side
+        ws.ensure(n, p)
+        #: Threads that run the row blocks of this batch's Grams, and of its GEMVs.
+        self.threads = threads
+        self.gemv_threads = threads if X.nbytes >= GEMV_SPREAD_MIN_BYTES else 1
         if config.fit_intercept:
             Z = ws.design[:n]
             Z[:, :d] = X
@@ -201,7 +202,7 @@ class _Batch:
             Z = X
         self.Z, self.y, self.w = Z, y, w
         self.scaled = ws.scaled[:n]
-        self.scaled_k = ws.scaled[:n] if ws.scaled_k is None else ws.scaled_k[:n]
+        self.ws = ws
         names = ("r", "psi", "over", "lo", "hi", "kappa", "zdir", "t1", "t2", "t3", "t4")
         for name in (*names, "active"):
             setattr(self, name, getattr(ws, name)[:n])
@@ -213,14 +214,7 @@ class _Batch:
         # float64 only: in float32 the blocked products' other rounding moves β's last
         # bits, which κ's steep ramp (width 2h) carries into J beyond the contract's float32
         # tolerance against the per-trial GEMVs (seen with numpy 1.26's OpenBLAS).
-        # One BLAS thread only: the blocks' small products run on this thread alone.
-        # ``blas_threads`` None is the count in force, read only where the rest holds
-        # (about 40 µs).
-        self.fused = (
-            Z.dtype == np.float64
-            and Z.nbytes >= FUSED_MIN_BYTES
-            and (not FUSED_ONE_THREAD_ONLY or (blas_threads or blas_threads_in_force()) == 1)
-        )
+        self.fused = Z.dtype == np.float64 and Z.nbytes >= FUSED_MIN_BYTES
         self.block_rows = max(64, FUSED_BLOCK_BYTES // (p * dt.itemsize))
         self.tau = dt.type(config.tau)
         self.half_inv_h = dt.type(0.5 / schedule.bandwidth)
@@ -233,11 +227,55 @@ class _Batch:
         self.history = dt.type(schedule.history_scale)
         self.sign0 = np.sign(self.beta0) * mask if schedule.history_scale else None
 
+    # -- products over the rows, in fixed blocks (rh_dask.engines.row_blocks) -----
+    def run(self, kind: str, rows: int, tasks: list[Callable[[], Any]]) -> list[Any]:
+        """The tasks' results in task order: a Gram's on the batch's thread count, GEMVs'
+        on it only where Z is large enough (:data:`GEMV_SPREAD_MIN_BYTES`), else on one,
+        and the fused LAMM pass's on one (its small blocks' Python steps hold the GIL:
+        on two threads it took 1.6x its time on one, dev box).
+
+        ``rows`` is the operand's (a profiler's eye).
+        """
+        if kind in _ONE_THREAD_KINDS:
+            return run_tasks(tasks, 1)
+        return run_tasks(tasks, self.gemv_threads if kind in _GEMV_KINDS else self.threads)
+
+    def blocks(self, rows: int, fn: Callable[[int, int], Any]) -> list[Callable[[], Any]]:
+        """``fn(start, stop)`` for each row block of a ``rows``-row operand, as tasks."""
+        blocks = row_blocks(rows, self.Z.shape[1], self.Z.itemsize)
+        return [functools.partial(fn, a, b) for a, b in blocks]
+
+    def matvec(self, v: np.ndarray, out: np.ndarray) -> np.ndarray:
+        """``out = Z v``, a GEMV per row block."""
+        Z = self.Z
+
+        def block(a: int, b: int) -> None:
+            np.matmul(Z[a:b], v, out=out[a:b])
+
+        self.run("matvec", len(out), self.blocks(len(out), block))
+        return out
+
+    def rmatvec_tasks(self, u: np.ndarray) -> list[Callable[[], np.ndarray]]:
+        """Tasks of ``Zᵀ u``: a GEMV per row block (their sum in order is the product)."""
+        Z = self.Z
+        return self.blocks(len(u), lambda a, b: Z[a:b].T @ u[a:b])
+
+    def scaled_gram_tasks(
+        self, factor: np.ndarray, scaled: np.ndarray
+    ) -> list[Callable[[], np.ndarray]]:
+        """Tasks of Zᵀ diag(factor²) Z: a SYRK on factor ⊙ Z per row block, in ``scaled``."""
+        Z = self.Z
+
+        def block(a: int, b: int) -> np.ndarray:
+            s = np.multiply(Z[a:b], factor[a:b, None], out=scaled[a:b])
+            return s.T @ s
+
+        return self.blocks(len(factor), block)
+
     # -- per-iterate quantities -------------------------------------------------
     def evaluate(self, beta: np.ndarray) -> None:
         """r = y − Zβ, ψ = clip(r, ±τ), o = r − ψ and the remainder bounds."""
-        r = self.r
-        np.matmul(self.Z, beta, out=r)
+        r = self.matvec(beta, self.r)
         np.subtract(self.y, r, out=r)
         self._clip_residuals()
 
@@ -268,30 +306,36 @@ class _Batch:
     def trial_pass(self, steps: list[np.ndarray]) -> list[np.ndarray]:
         """Z e, r − Z e, ψ(r − Z e) and Zᵀ(w ⊙ ψ(r − Z e)) for each step e, in one pass over Z.
 
-        Z is read in row blocks that stay in the cache while every step's
+        Z is read in small blocks that stay in the cache while every step's
         products are taken from them: one trip through memory where a GEMV per
         step and a gradient GEMV would take one each. The products go to
         ``cand_zdir``, ``cand_r`` and ``cand_psi`` (index = position in
-        ``steps``); the return value is each step's data term Zᵀ(w ⊙ ψ).
+        ``steps``); the return value is each step's data term Zᵀ(w ⊙ ψ), summed
+        per row block of :meth:`spread` and then in block order.
         """
         Z, r, w, tau = self.Z, self.r, self.w, self.tau
-        n, p = Z.shape
-        data = [np.zeros(p, dtype=Z.dtype) for _ in steps]
-        block = self.block_rows
-        for start in range(0, n, block):
-            stop = min(start + block, n)
-            zb, rb = Z[start:stop], r[start:stop]
-            for j, e in enumerate(steps):
-                zd = self.cand_zdir[j][start:stop]
-                rj = self.cand_r[j][start:stop]
-                pj = self.cand_psi[j][start:stop]
-                np.matmul(zb, e, out=zd)
-                np.subtract(rb, zd, out=rj)
-                np.clip(rj, -tau, tau, out=pj)
-                if w is not None:
-                    pj = np.multiply(w[start:stop], pj, out=self.t2[start:stop])
-                data[j] += pj @ zb
-        return data
+        p = Z.shape[1]
+        small = self.block_rows
+
+        def block(a: int, b: int) -> list[np.ndarray]:
+            data = [np.zeros(p, dtype=Z.dtype) for _ in steps]
+            for start in range(a, b, small):
+                stop = min(start + small, b)
+                zb, rb = Z[start:stop], r[start:stop]
+                for j, e in enumerate(steps):
+                    zd = self.cand_zdir[j][start:stop]
+                    rj = self.cand_r[j][start:stop]
+                    pj = self.cand_psi[j][start:stop]
+                    np.matmul(zb, e, out=zd)
+                    np.subtract(rb, zd, out=rj)
+                    np.clip(rj, -tau, tau, out=pj)
+                    if w is not None:
+                        pj = np.multiply(w[start:stop], pj, out=self.t2[start:stop])
+                    data[j] += pj @ zb
+            return data
+
+        parts = self.run(f"trial{len(steps)}", len(r), self.blocks(len(r), block))
+        return [_sum_in_order([part[j] for part in parts]) for j in range(len(steps))]
 
     def weighted_sum(self, v: np.ndarray) -> float:
         return float(v.sum() if self.w is None else np.dot(self.w, v))
@@ -299,16 +343,46 @@ class _Batch:
     def gradient(self, beta: np.ndarray, data: np.ndarray | None = None) -> np.ndarray:
         """g(β) = [−Zᵀ(w ⊙ ψ) + J Δ] / N − (W/N) λ_{b−1} s (``data``: Zᵀ(w ⊙ ψ) if known)."""
         if data is None:
-            wpsi = self.psi if self.w is None else np.multiply(self.w, self.psi, out=self.t1)
-            data = self.Z.T @ wpsi
+            data = _sum_in_order(self.run("rmatvec", len(self.r), self.data_tasks()))
         g = self.J @ (beta - self.beta0) - data
         g *= self.inv_total
         if self.sign0 is not None:
             g -= self.history * self.sign0
         return g
 
+    def data_tasks(self) -> list[Callable[[], np.ndarray]]:
+        """Tasks of the data term Zᵀ(w ⊙ ψ) at the evaluated r."""
+        wpsi = self.psi if self.w is None else np.multiply(self.w, self.psi, out=self.t1)
+        return self.rmatvec_tasks(wpsi)
+
+    def gradient_and_gram(self, beta: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """:meth:`gradient` and :meth:`gram` at the evaluated r, their blocks run together."""
+        data, gram = self.data_tasks(), self.gram_tasks()
+        parts = self.run("gradient+gram", len(self.r), data + gram)
+        return (
+            self.gradient(beta, _sum_in_order(parts[: len(data)])),
+            _sum_in_order(parts[len(data) :]),
+        )
+
+    def commit_grams(self, score: bool) -> tuple[np.ndarray, np.ndarray | None]:
+        """:meth:`gram` and, with ``score``, :meth:`score_gram`, their blocks run together."""
+        gram = self.gram_tasks()
+        if not score:
+            return _sum_in_order(self.run("gram", len(self.r), gram)), None
+        k = self.score_gram_tasks()
+        parts = self.run("grams", len(self.r), gram + k)
+        return _sum_in_order(parts[: len(gram)]), _sum_in_order(parts[len(gram) :])
+
     def gram(self) -> np.ndarray:
         """Zᵀ diag(w ⊙ κ(r)) Z through SYRK on √(wκ) ⊙ Z."""
+        return _sum_in_order(self.run("gram", len(self.r), self.gram_tasks()))
+
+    def score_gram(self) -> np.ndarray:
+        """Zᵀ diag(w ⊙ ψ(r)²) Z through SYRK on (√w ⊙ |ψ|) ⊙ Z, at the evaluated r."""
+        return _sum_in_order(self.run("score-gram", len(self.r), self.score_gram_tasks()))
+
+    def gram_tasks(self) -> list[Callable[[], np.ndarray]]:
+        """Tasks of :meth:`gram` (their sum in order is J's increment)."""
         k = self.kappa
         np.abs(self.r, out=k)
         np.subtract(self.tau, k, out=k)
@@ -324,27 +398,24 @@ class _Batch:
         active = np.greater(k, 0, out=self.active)
         rows = int(np.count_nonzero(active))
         n, p = self.Z.shape
-        if (n - rows) * p >= GATHER_MIN_SAVING * n:
-            keep = np.flatnonzero(active)
-            weights = np.take(k, keep, out=self.t2[:rows])
-            scaled = gather_scaled_rows(self.Z, keep, weights, self.scaled[:rows])
-        else:
-            scaled = self.scaled
-            np.multiply(self.Z, k[:, None], out=scaled)
-        return scaled.T @ scaled
+        if (n - rows) * p < GATHER_MIN_SAVING * n:
+            return self.scaled_gram_tasks(k, self.scaled)
+        keep = np.flatnonzero(active)
+        weights = np.take(k, keep, out=self.t2[:rows])
+        Z, scaled = self.Z, self.scaled
 
-    def score_gram(self) -> np.ndarray:
-        """Zᵀ diag(w ⊙ ψ(r)²) Z through SYRK on (√w ⊙ |ψ|) ⊙ Z, at the evaluated r.
+        def block(a: int, b: int) -> np.ndarray:
+            s = gather_scaled_rows(Z, keep[a:b], weights[a:b], scaled[a:b])
+            return s.T @ s
 
-        Its buffers are its own, so that it may run beside :meth:`gram` and
-        :meth:`loss`.
-        """
+        return self.blocks(rows, block)
+
+    def score_gram_tasks(self) -> list[Callable[[], np.ndarray]]:
+        """Tasks of :meth:`score_gram`; their buffers are their own, apart from :meth:`gram`'s."""
         s = np.abs(self.psi, out=self.t3)
         if self.w is not None:
             s *= np.sqrt(self.w, out=self.t4)
-        scaled = self.scaled_k
-        np.multiply(self.Z, s[:, None], out=scaled)
-        return scaled.T @ scaled
+        return self.scaled_gram_tasks(s, self.ws.scaled_k_for(len(s)))
 
     def loss(self) -> float:
         """Σ w ρ(r) with ρ(r) = ψ (r − ψ/2)."""
@@ -392,10 +463,12 @@ class NumpyEngine:
     device : None or "cpu"
         Accepted for interface symmetry; any other device is refused.
     blas_threads : int or "auto", default "auto"
-        BLAS threads of the engine's own calls (``rh-dask.numpy.blas-threads``,
-        see :mod:`rh_dask.engines.blas_threads`): a count, or ``"auto"``, the
-        measured rule. The count is set on entry to each call and the one in
-        force before it restored on exit.
+        Threads of the engine's products (``rh-dask.numpy.blas-threads``): a
+        count, or ``"auto"``, the count measured fastest per product class
+        while the stream runs (:mod:`rh_dask.engines.row_blocks`). Each BLAS
+        call runs on one thread, in row blocks fixed by the shape, so the count
+        changes no bit of a result. BLAS's own count is set to one on entry to
+        each call and the one in force before it restored on exit.
 
     Raises
     ------
@@ -416,9 +489,8 @@ class NumpyEngine:
                 f"the numpy engine runs on the CPU only; device={device!r} is not supported"
             )
         self.config = config
+        #: The threads of the products; None: measured per batch class.
         self.blas_threads = resolve_blas_threads(blas_threads)
-        # "auto" on one BLAS thread with a second core: independent products side by side.
-        self._side = side_by_side(blas_threads)
         self._state: HuberState | None = None
         self._ws = _Workspace(config.np_dtype)
 
@@ -455,11 +527,11 @@ class NumpyEngine:
         state = self._require_state()
         X = np.asarray(X)
         check_width(X, state.n_features_in)
-        with blas_limit(self.blas_threads):
+        with one_blas_thread():
             return linear_predictor(X, state.coefficients, state.fit_intercept)
 
     def partial_fit(self, X: Any, y: Any, sample_weight: Any | None = None) -> BatchDiagnostics:
-        with blas_limit(self.blas_threads):
+        with one_blas_thread():
             return self._partial_fit(X, y, sample_weight)
 
     def _partial_fit(self, X: Any, y: Any, sample_weight: Any | None) -> BatchDiagnostics:
@@ -472,19 +544,24 @@ class NumpyEngine:
             state = HuberState.empty(d, cfg.fit_intercept, dt)
         batch_weight = float(n) if w is None else float(np.sum(w, dtype=np.float64))
         schedule = batch_schedule(cfg, state, batch_weight)
-        # Side by side or alone: the faster for this shape class lately (either way
-        # the same bits). The class: dtype, p and the batch's rows to a power of 2.
-        side_class = (dt.str, d, cfg.fit_intercept, n.bit_length())
-        side = self._side and side_chooser().choose(side_class)
-        batch = _Batch(
-            self._ws, X, y, w, cfg, state, schedule, side=side, blas_threads=self.blas_threads
-        )
+        # The thread count: the engine's, or, for "auto", the one whose commits of this
+        # class took the least time lately (measured below: the commit's Grams are the same
+        # work in every batch of a class, where the iterations are not). The class: dtype,
+        # p, whether K is kept and the rows to a power of 2. Either way the same bits.
+        key = (dt.str, state.n_params, state.score_variance is not None, n.bit_length())
+        threads = self.blas_threads
+        measured = threads is None
+        if measured:
+            tasks = len(row_blocks(n, state.n_params, dt.itemsize))
+            counts = thread_counts(tasks)
+            measured = len(counts) > 1
+            threads = thread_chooser().choose(key, counts) if measured else 1
+        batch = _Batch(self._ws, X, y, w, cfg, state, schedule, threads=threads)
         if cfg.penalised:
             beta, iterations, converged = _solve_lamm(batch, cfg, schedule)
         else:
             # Under a one-thread limit already, the p×p solve needs no limit of its own.
-            solve = _solve_ladder if self.blas_threads == 1 else solve_newton_system
-            beta, iterations, converged = _solve_newton(batch, cfg, solve)
+            beta, iterations, converged = _solve_newton(batch, cfg, _solve_ladder)
         # Commit: r, κ, ψ and both Grams at the final β_b. K is accumulated only
         # while the stream has it (a state imported without K continues without).
         batch.evaluate(beta)
@@ -492,14 +569,12 @@ class NumpyEngine:
         if cfg.penalised:
             objective += schedule.lambda_value * float(np.abs(beta * batch.mask).sum())
         start = time.perf_counter()
-        with _Beside(
-            batch.score_gram if state.score_variance is not None else None, batch.side
-        ) as k:
-            information = state.information + batch.gram()
-            mean_loss, share, scale = batch.robust_diagnostics(batch_weight)
-        if self._side and n * state.n_params**2 >= SIDE_MIN_FLOPS:
-            side_chooser().record(side_class, batch.side, time.perf_counter() - start)
-        score_variance = None if k.value is None else state.score_variance + k.value
+        gram, score_gram = batch.commit_grams(state.score_variance is not None)
+        if measured:
+            thread_chooser().record(key, threads, time.perf_counter() - start)
+        information = state.information + gram
+        score_variance = None if score_gram is None else state.score_variance + score_gram
+        mean_loss, share, scale = batch.robust_diagnostics(batch_weight)
         self._state = HuberState(
             coefficients=beta,
             information=information,
@@ -551,35 +626,12 @@ class NumpyEngine:
         return as_row_major(X), y, w
 
 
-class _Beside:
-    """Run ``fn`` on the side thread (``side``) or on entry, while the block runs.
-
-    ``value`` is its result after the block (``None`` when ``fn`` is). The
-    block's own work and ``fn`` must share no buffer. Exit waits for ``fn``
-    whatever happened in the block, so the workspace is never left in use;
-    an error of ``fn`` is raised there unless the block raised first.
-    """
-
-    def __init__(self, fn: Callable[[], Any] | None, side: bool) -> None:
-        self.fn, self.side = fn, side
-        self.value: Any = None
-        self._job: Any = None
-
-    def __enter__(self) -> _Beside:
-        if self.fn is not None:
-            if self.side:
-                self._job = side_executor().submit(self.fn)
-            else:
-                self.value = self.fn()
-        return self
-
-    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
-        if self._job is not None:
-            try:
-                self.value = self._job.result()
-            except BaseException:
-                if exc_type is None:
-                    raise
+def _sum_in_order(parts: list[np.ndarray]) -> np.ndarray:
+    """The row blocks' partial products added in block order (into the first)."""
+    total = parts[0]
+    for part in parts[1:]:
+        total += part
+    return total
 
 
 def _solve_newton(
@@ -599,13 +651,12 @@ def _solve_newton(
     iterations = 0
     batch.evaluate(beta)
     for iterations in range(1, cfg.max_iter + 1):  # noqa: B007 - the count is reported
-        g = batch.gradient(beta)
-        H = batch.gram()
+        g, H = batch.gradient_and_gram(beta)
         H += J
         H *= batch.inv_total
         H.flat[:: p + 1] += ridge
         D = solve(H, g).astype(beta.dtype, copy=False)
-        np.matmul(batch.Z, D, out=batch.zdir)
+        batch.matvec(D, batch.zdir)
         slope = float(g @ D)
         curvature = float(D @ J @ D)
         t = 1.0
@@ -708,7 +759,7 @@ def _solve_lamm(
             trials += 1
             if not _fails_on_information(trial, batch.total):
                 products += 1
-                np.matmul(batch.Z, trial.step, out=batch.zdir)
+                batch.matvec(trial.step, batch.zdir)
                 if passes(trial, batch.zdir):
                     accepted = True
                     break
