@@ -56,12 +56,9 @@ FUSED_BLOCK_BYTES = 384 << 10
 GATHER_MIN_SAVING = 12
 #: Bytes of Z per gathered row block (a fraction of a core's L2 cache).
 GATHER_BLOCK_BYTES = 256 << 10
-#: A batch's GEMVs spread their row blocks over its threads only
-#: when X holds at least this many bytes: handing blocks to another thread costs about
-#: 65 µs on the dev box, and below it a second thread made the sweep's GEMVs slower
-#: (float32 reference and wide batches) or gained little (docs/performance.md).
-GEMV_SPREAD_MIN_BYTES = 16 << 20
-#: The products that are GEMVs only (no Gram among their blocks).
+#: The products that are GEMVs only (no Gram among their blocks): their thread count is
+#: chosen apart from the Grams', since handing blocks to another thread costs about 65 µs
+#: on the dev box, more than some of these GEMVs take (docs/performance.md).
 _GEMV_KINDS = frozenset({"matvec", "rmatvec"})
 #: The products that run on one thread whatever the count (see :meth:`_Batch.run`).
 _ONE_THREAD_KINDS = frozenset({"trial1", "trial2"})
@@ -186,14 +183,16 @@ class _Batch:
         state: HuberState,
         schedule: BatchSchedule,
         threads: int = 1,
+        gemv_threads: int = 1,
     ) -> None:
         n, d = X.shape
         p = state.n_params
         dt = config.np_dtype
         ws.ensure(n, p)
         #: Threads that run the row blocks of this batch's Grams, and of its GEMVs.
-        self.threads = threads
-        self.gemv_threads = threads if X.nbytes >= GEMV_SPREAD_MIN_BYTES else 1
+        self.threads, self.gemv_threads = threads, gemv_threads
+        #: Seconds and count of the GEMVs ``Z v`` this batch ran (all the same work).
+        self.matvec_seconds, self.matvec_calls = 0.0, 0
         if config.fit_intercept:
             Z = ws.design[:n]
             Z[:, :d] = X
@@ -229,16 +228,23 @@ class _Batch:
 
     # -- products over the rows, in fixed blocks (rh_dask.engines.row_blocks) -----
     def run(self, kind: str, rows: int, tasks: list[Callable[[], Any]]) -> list[Any]:
-        """The tasks' results in task order: a Gram's on the batch's thread count, GEMVs'
-        on it only where Z is large enough (:data:`GEMV_SPREAD_MIN_BYTES`), else on one,
-        and the fused LAMM pass's on one (its small blocks' Python steps hold the GIL:
-        on two threads it took 1.6x its time on one, dev box).
+        """The tasks' results in task order: GEMVs' on the batch's GEMV thread count, the
+        fused LAMM pass's on one (its small blocks' Python steps hold the GIL: on two
+        threads it took 1.6x its time on one, dev box), the rest on its thread count.
 
         ``rows`` is the operand's (a profiler's eye).
         """
         if kind in _ONE_THREAD_KINDS:
             return run_tasks(tasks, 1)
-        return run_tasks(tasks, self.gemv_threads if kind in _GEMV_KINDS else self.threads)
+        if kind not in _GEMV_KINDS:
+            return run_tasks(tasks, self.threads)
+        if kind != "matvec":
+            return run_tasks(tasks, self.gemv_threads)
+        start = time.perf_counter()
+        results = run_tasks(tasks, self.gemv_threads)
+        self.matvec_seconds += time.perf_counter() - start
+        self.matvec_calls += 1
+        return results
 
     def blocks(self, rows: int, fn: Callable[[int, int], Any]) -> list[Callable[[], Any]]:
         """``fn(start, stop)`` for each row block of a ``rows``-row operand, as tasks."""
@@ -544,19 +550,23 @@ class NumpyEngine:
             state = HuberState.empty(d, cfg.fit_intercept, dt)
         batch_weight = float(n) if w is None else float(np.sum(w, dtype=np.float64))
         schedule = batch_schedule(cfg, state, batch_weight)
-        # The thread count: the engine's, or, for "auto", the one whose commits of this
-        # class took the least time lately (measured below: the commit's Grams are the same
-        # work in every batch of a class, where the iterations are not). The class: dtype,
-        # p, whether K is kept and the rows to a power of 2. Either way the same bits.
-        key = (dt.str, state.n_params, state.score_variance is not None, n.bit_length())
-        threads = self.blas_threads
-        measured = threads is None
+        # The thread counts: the engine's, or, for "auto", those whose batches of this
+        # class ran fastest lately, measured below on work that is the same in every batch
+        # of the class (the iterations are not): the commit's Grams for the Grams' count,
+        # the mean GEMV Z v for the GEMVs'. The class: dtype, p, whether K is kept and the
+        # rows to a power of 2. Any count gives the same bits.
+        shape = (dt.str, state.n_params, state.score_variance is not None, n.bit_length())
+        threads = gemv_threads = self.blas_threads
+        counts = thread_counts(len(row_blocks(n, state.n_params, dt.itemsize)))
+        measured = threads is None and len(counts) > 1
         if measured:
-            tasks = len(row_blocks(n, state.n_params, dt.itemsize))
-            counts = thread_counts(tasks)
-            measured = len(counts) > 1
-            threads = thread_chooser().choose(key, counts) if measured else 1
-        batch = _Batch(self._ws, X, y, w, cfg, state, schedule, threads=threads)
+            threads = thread_chooser().choose(("gram", *shape), counts)
+            gemv_threads = thread_chooser().choose(("gemv", *shape), counts)
+        elif threads is None:
+            threads = gemv_threads = 1
+        batch = _Batch(
+            self._ws, X, y, w, cfg, state, schedule, threads=threads, gemv_threads=gemv_threads
+        )
         if cfg.penalised:
             beta, iterations, converged = _solve_lamm(batch, cfg, schedule)
         else:
@@ -571,7 +581,10 @@ class NumpyEngine:
         start = time.perf_counter()
         gram, score_gram = batch.commit_grams(state.score_variance is not None)
         if measured:
-            thread_chooser().record(key, threads, time.perf_counter() - start)
+            thread_chooser().record(("gram", *shape), threads, time.perf_counter() - start)
+            if batch.matvec_calls:
+                seconds = batch.matvec_seconds / batch.matvec_calls
+                thread_chooser().record(("gemv", *shape), gemv_threads, seconds)
         information = state.information + gram
         score_variance = None if score_gram is None else state.score_variance + score_gram
         mean_loss, share, scale = batch.robust_diagnostics(batch_weight)

@@ -140,20 +140,24 @@ def thread_counts(tasks: int, cores: int | None = None) -> tuple[int, ...]:
 class ThreadChooser:
     """A thread count per product class, from the times of its recent products.
 
-    Each class (a hashable key) tries every count it is offered until each has
-    ``warmup`` samples; then it takes the count with the lowest median of its
-    last ``keep`` samples, except every ``probe_every``-th product, which
-    tries another count in turn, so that a change of the host's load is seen.
-    Safe to share between threads (a race costs at most a sample).
+    A walk down from the most threads offered: each class first takes the
+    largest count until it has ``warmup`` samples, then the next smaller one,
+    and goes on down only while the smallest count tried has the lowest median
+    of its last ``keep`` samples. Then it takes the count of the lowest median,
+    except every ``probe_every``-th product, which tries a neighbour of it
+    (the next smaller and the next larger in turn), so that a change of the
+    host's load is seen. On an idle host the walk stops after two counts; one
+    that is loaded walks down to the count that pays. Safe to share between
+    threads.
 
     Parameters
     ----------
     keep : int
         Samples kept per count and class.
     warmup : int
-        Samples per count before the medians decide.
+        Samples of a count before its median counts.
     probe_every : int
-        Period of the products that try a count not chosen.
+        Period of the products that try a neighbour of the count chosen.
     """
 
     def __init__(self, keep: int = 5, warmup: int = 2, probe_every: int = 12) -> None:
@@ -163,21 +167,27 @@ class ThreadChooser:
         self._lock = threading.Lock()
 
     def choose(self, key: Hashable, counts: Sequence[int]) -> int:
-        """The thread count for the next product of class ``key``, one of ``counts``."""
+        """The thread count for the next product of class ``key``, one of ``counts``.
+
+        ``counts`` ascending (as :func:`thread_counts` gives them).
+        """
         if len(counts) == 1:
             return counts[0]
         with self._lock:
             samples = self._samples.setdefault(key, {})
             seen = self._seen[key] = self._seen.get(key, 0) + 1
-            sizes = [len(samples.get(c, ())) for c in counts]
-            if min(sizes) < self.warmup:
-                return counts[sizes.index(min(sizes))]
-            medians = [statistics.median(samples[c]) for c in counts]
-            best = counts[medians.index(min(medians))]
+            tried = [c for c in counts if len(samples.get(c, ())) >= self.warmup]
+            if counts[-1] not in tried:
+                return counts[-1]
+            medians = {c: statistics.median(samples[c]) for c in tried}
+            best = min(tried, key=medians.__getitem__)
+            at = counts.index(best)
+            if best == min(tried) and at > 0:
+                return counts[at - 1]  # the smallest tried is the fastest: walk on down
             if seen % self.probe_every:
                 return best
-            others = [c for c in counts if c != best]
-            return others[(seen // self.probe_every) % len(others)]
+            near = [counts[i] for i in (at - 1, at + 1) if 0 <= i < len(counts)]
+            return near[(seen // self.probe_every) % len(near)]
 
     def record(self, key: Hashable, count: int, seconds: float) -> None:
         """The time a product of class ``key`` took on ``count`` threads."""
@@ -194,12 +204,12 @@ class ThreadChooser:
             }
 
     def chosen(self) -> dict[Hashable, int]:
-        """Per class with samples of every count it tried: the count now taken."""
-        out = {}
-        for key, medians in self.medians().items():
-            if medians:
-                out[key] = min(medians, key=medians.__getitem__)
-        return out
+        """Per class: the count of the lowest median now (among those with samples)."""
+        return {
+            key: min(medians, key=medians.__getitem__)
+            for key, medians in self.medians().items()
+            if medians
+        }
 
 
 @functools.cache
