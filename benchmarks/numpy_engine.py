@@ -11,8 +11,10 @@ once, in an order rotated between repeats (a contender that follows a
 multithreaded one meets its still-spinning BLAS threads). With
 ``--no-skip-too`` each setting also runs with the LAMM's information test
 switched off (every trial takes its Z e): the same bits, so what the test
-saves. Writes schema-versioned JSON with every timing, and the medians behind
-``auto``'s thread count per product class (``auto_thread_medians_seconds``).
+saves. Writes schema-versioned JSON with every timing, the medians behind
+``auto``'s thread counts per batch class (``auto_thread_medians_seconds``) and
+what each class's one calibration cost (``auto_calibration_seconds``; it falls
+in the first, untimed round).
 
     python benchmarks/numpy_engine.py --repeats 5 --opponent --threads auto 1 2 \\
         --output benchmarks/results/numpy_engine.json
@@ -189,6 +191,10 @@ def main(argv: list[str] | None = None) -> int:
             "no_skip_too": args.no_skip_too,
         },
         "auto_thread_medians_seconds": medians,
+        # What each batch class's one calibration cost beyond the batch's own commit.
+        "auto_calibration_seconds": {
+            str(key): seconds for key, seconds in thread_chooser().calibration_seconds().items()
+        },
         "cases": cases,
     }
     write_json(args.output, payload)

@@ -118,6 +118,24 @@ def _same(a, b, assert_unchanged, snapshot):
 
 
 # -- equality with the plain loop ---------------------------------------------------
+def test_fit_equals_a_plain_loop_at_another_thread_count(client, snapshot, assert_unchanged):
+    """Chunks of several row blocks: the walk's engine at "auto" on a worker, the loop at
+    three threads of its own under the process's BLAS count, the same bits."""
+    X, y, w = _data(n=60_000, d=20, weights=True)
+    chunks = (20_000, 25_000, 15_000)  # 3.4 MB and more: several row blocks each
+    model = RenewableHuberRegressor(loader="actor", progress=False)
+    model.fit(
+        da.from_array(X, chunks=(chunks, 20)),
+        da.from_array(y, chunks=(chunks,)),
+        sample_weight=da.from_array(w, chunks=(chunks,)),
+    )
+    ref = RenewableHuberRegressor()
+    with dask.config.set({"rh-dask.numpy.blas-threads": 3}):
+        for X_i, y_i, w_i in _row_blocks(X, y, w, chunks):
+            ref.partial_fit(X_i, y_i, sample_weight=w_i)
+    _same(model, ref, assert_unchanged, snapshot)
+
+
 @pytest.mark.parametrize("loader", ["actor", "engine-worker", "cluster", "relay"])
 def test_fit_equals_partial_fit_loop(client, loader, snapshot, assert_unchanged):
     X, y, w = _data(weights=True)

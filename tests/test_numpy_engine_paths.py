@@ -58,6 +58,9 @@ class _Cycling:
     def record(self, key, count, seconds) -> None:
         self.records.append((key, count))
 
+    def calibrated(self, key) -> bool:  # so that each batch takes the next count
+        return True
+
 
 def _small_blocks(monkeypatch, cores: int = 4) -> None:
     """Blocks of a few KiB, so that the tests' small batches are cut into many."""
@@ -184,6 +187,34 @@ def test_the_fused_lamm_pass_is_taken_by_the_shape_at_any_thread_count(monkeypat
         _, state = _run(NumpyEngine(config, blas_threads=threads), batches)
         assert taken
         assert state.equals(plain)
+
+
+def test_auto_calibrates_each_batch_class_once_on_its_first_batch(monkeypatch):
+    """Every count timed on the first batch of a class, forward then back; later batches
+    add one sample each; the cost is kept apart."""
+    _small_blocks(monkeypatch, cores=4)
+    chooser = row_blocks_module.ThreadChooser()
+    monkeypatch.setattr(numpy_engine_module, "thread_chooser", lambda: chooser)
+    recorded: list[tuple] = []
+    record = chooser.record
+    monkeypatch.setattr(
+        chooser, "record", lambda k, c, s: (recorded.append((k, c)), record(k, c, s))
+    )
+    engine = NumpyEngine(HuberConfig(), blas_threads="auto")
+    batches = _stream("float64", False, n=8000)
+    X, y, _ = batches[0]
+    engine.partial_fit(X, y)
+    grams = [c for k, c in recorded if k[0] == "gram"]
+    gemvs = [c for k, c in recorded if k[0] == "gemv"]
+    assert grams == [1, 2, 4, 4, 2, 1]
+    assert gemvs == [1, 2, 4, 4, 2, 1] * 2
+    ((shape, cost),) = chooser.calibration_seconds().items()
+    assert shape == ("<f8", 13, True, X.shape[0].bit_length()) and cost > 0
+    recorded.clear()
+    for X, y, _ in batches[1:]:
+        engine.partial_fit(X, y)
+    assert [k[0] for k, _ in recorded] == ["gram", "gemv"] * (len(batches) - 1)
+    assert len(chooser.calibration_seconds()) == 1
 
 
 @pytest.mark.parametrize("penalty", ["none", "l1"])

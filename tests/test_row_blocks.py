@@ -77,7 +77,7 @@ def test_thread_counts_are_powers_of_two_up_to_the_tasks_and_cores():
     assert rb.thread_counts(6, cores=1) == (1,)
 
 
-def test_the_chooser_walks_down_takes_the_fastest_and_probes_its_neighbours():
+def test_the_chooser_tries_each_count_takes_the_fastest_and_probes_its_neighbours():
     chooser = rb.ThreadChooser(keep=3, warmup=2, probe_every=4)
     counts = (1, 2, 4)
     cost = {1: 3.0, 2: 1.0, 4: 2.0}
@@ -86,7 +86,7 @@ def test_the_chooser_walks_down_takes_the_fastest_and_probes_its_neighbours():
         count = chooser.choose("k", counts)
         taken.append(count)
         chooser.record("k", count, cost[count])
-    assert taken[:6] == [4, 4, 2, 2, 1, 1]  # down from the top while the smallest is fastest
+    assert taken[:6] == [4, 4, 2, 2, 1, 1]  # uncalibrated: each count, the largest first
     steady = taken[6:]
     assert steady.count(2) >= len(steady) * 3 // 4 - 1
     assert {1, 4} <= set(steady)  # the probes take the others in turn
@@ -94,16 +94,12 @@ def test_the_chooser_walks_down_takes_the_fastest_and_probes_its_neighbours():
     assert chooser.choose("other", (1,)) == 1  # one count: nothing to measure
 
 
-def test_on_an_idle_host_the_walk_stops_after_two_counts():
-    chooser = rb.ThreadChooser(keep=3, warmup=2, probe_every=5)
-    cost = {1: 4.0, 2: 2.0, 4: 1.5, 8: 1.0}
-    taken = []
-    for _ in range(40):
-        count = chooser.choose("k", (1, 2, 4, 8))
-        taken.append(count)
-        chooser.record("k", count, cost[count])
-    assert taken[:4] == [8, 8, 4, 4]
-    assert set(taken) == {8, 4}  # the probes try the neighbour only
+def test_the_chooser_keeps_what_each_calibration_cost():
+    chooser = rb.ThreadChooser()
+    assert not chooser.calibrated("k")
+    chooser.add_calibration("k", 0.25)
+    assert chooser.calibrated("k") and not chooser.calibrated("other")
+    assert chooser.calibration_seconds() == {"k": 0.25}
 
 
 def test_the_chooser_follows_a_change_of_load():

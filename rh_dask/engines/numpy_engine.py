@@ -578,13 +578,18 @@ class NumpyEngine:
         objective = batch.objective(beta)
         if cfg.penalised:
             objective += schedule.lambda_value * float(np.abs(beta * batch.mask).sum())
-        start = time.perf_counter()
-        gram, score_gram = batch.commit_grams(state.score_variance is not None)
-        if measured:
-            thread_chooser().record(("gram", *shape), threads, time.perf_counter() - start)
-            if batch.matvec_calls:
-                seconds = batch.matvec_seconds / batch.matvec_calls
-                thread_chooser().record(("gemv", *shape), gemv_threads, seconds)
+        score = state.score_variance is not None
+        chooser = thread_chooser()
+        if measured and not chooser.calibrated(shape):
+            gram, score_gram = _calibrate(batch, shape, counts, score, beta)
+        else:
+            start = time.perf_counter()
+            gram, score_gram = batch.commit_grams(score)
+            if measured:
+                chooser.record(("gram", *shape), threads, time.perf_counter() - start)
+                if batch.matvec_calls:
+                    seconds = batch.matvec_seconds / batch.matvec_calls
+                    chooser.record(("gemv", *shape), gemv_threads, seconds)
         information = state.information + gram
         score_variance = None if score_gram is None else state.score_variance + score_gram
         mean_loss, share, scale = batch.robust_diagnostics(batch_weight)
@@ -637,6 +642,38 @@ class NumpyEngine:
         if w is not None and not np.sum(w, dtype=np.float64) > 0:
             raise ValidationError("sample_weight must have a positive sum")
         return as_row_major(X), y, w
+
+
+def _calibrate(
+    batch: _Batch, shape: tuple[Any, ...], counts: tuple[int, ...], score: bool, beta: np.ndarray
+) -> tuple[np.ndarray, np.ndarray | None]:
+    """Time the commit's Grams and the GEMV Z β at every thread count, on this batch.
+
+    The first batch of a class under ``"auto"`` does it, once per process:
+    each count runs the commit's Grams twice and Z β four times, the counts in
+    an order and then in its reverse, so that each is timed as often before as
+    after the others (paired). A bounded cost known before it starts: 2 ×
+    len(counts) − 1 more Gram commits and 4 × len(counts) GEMVs of this batch.
+    Every count gives the same bits, so the Grams returned are the batch's.
+    """
+    chooser = thread_chooser()
+    begin = time.perf_counter()
+    order = [*counts, *reversed(counts)]
+    result: tuple[np.ndarray, np.ndarray | None] = (batch.J, None)
+    own = 0.0
+    for count in order:
+        batch.threads = count
+        start = time.perf_counter()
+        result = batch.commit_grams(score)
+        own = time.perf_counter() - start
+        chooser.record(("gram", *shape), count, own)
+    for count in order + order:
+        batch.gemv_threads = count
+        start = time.perf_counter()
+        batch.matvec(beta, batch.zdir)  # Z β into a buffer the commit no longer reads
+        chooser.record(("gemv", *shape), count, time.perf_counter() - start)
+    chooser.add_calibration(shape, time.perf_counter() - begin - own)
+    return result
 
 
 def _sum_in_order(parts: list[np.ndarray]) -> np.ndarray:

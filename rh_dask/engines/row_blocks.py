@@ -140,15 +140,13 @@ def thread_counts(tasks: int, cores: int | None = None) -> tuple[int, ...]:
 class ThreadChooser:
     """A thread count per product class, from the times of its recent products.
 
-    A walk down from the most threads offered: each class first takes the
-    largest count until it has ``warmup`` samples, then the next smaller one,
-    and goes on down only while the smallest count tried has the lowest median
-    of its last ``keep`` samples. Then it takes the count of the lowest median,
-    except every ``probe_every``-th product, which tries a neighbour of it
-    (the next smaller and the next larger in turn), so that a change of the
-    host's load is seen. On an idle host the walk stops after two counts; one
-    that is loaded walks down to the count that pays. Safe to share between
-    threads.
+    A class is first calibrated (:meth:`calibrated`, :meth:`add_calibration`:
+    its caller times the same work at every count, in an order and its
+    reverse). Until then, a class takes the largest count that has fewer than
+    ``warmup`` samples. Then it takes the count with the lowest median of its
+    last ``keep`` samples, except every ``probe_every``-th product, which tries
+    a neighbour of it (the next smaller and the next larger in turn), so that a
+    change of the host's load is seen. Safe to share between threads.
 
     Parameters
     ----------
@@ -164,6 +162,7 @@ class ThreadChooser:
         self.keep, self.warmup, self.probe_every = keep, warmup, probe_every
         self._samples: dict[Hashable, dict[int, deque[float]]] = {}
         self._seen: dict[Hashable, int] = {}
+        self._calibration: dict[Hashable, float] = {}
         self._lock = threading.Lock()
 
     def choose(self, key: Hashable, counts: Sequence[int]) -> int:
@@ -176,18 +175,30 @@ class ThreadChooser:
         with self._lock:
             samples = self._samples.setdefault(key, {})
             seen = self._seen[key] = self._seen.get(key, 0) + 1
-            tried = [c for c in counts if len(samples.get(c, ())) >= self.warmup]
-            if counts[-1] not in tried:
-                return counts[-1]
-            medians = {c: statistics.median(samples[c]) for c in tried}
-            best = min(tried, key=medians.__getitem__)
-            at = counts.index(best)
-            if best == min(tried) and at > 0:
-                return counts[at - 1]  # the smallest tried is the fastest: walk on down
+            untried = [c for c in counts if len(samples.get(c, ())) < self.warmup]
+            if untried:
+                return untried[-1]
+            medians = [statistics.median(samples[c]) for c in counts]
+            at = medians.index(min(medians))
             if seen % self.probe_every:
-                return best
+                return counts[at]
             near = [counts[i] for i in (at - 1, at + 1) if 0 <= i < len(counts)]
             return near[(seen // self.probe_every) % len(near)]
+
+    def calibrated(self, key: Hashable) -> bool:
+        """Whether class ``key`` has been calibrated in this process."""
+        with self._lock:
+            return key in self._calibration
+
+    def add_calibration(self, key: Hashable, seconds: float) -> None:
+        """Class ``key`` is calibrated; ``seconds``: what its calibration cost."""
+        with self._lock:
+            self._calibration[key] = self._calibration.get(key, 0.0) + seconds
+
+    def calibration_seconds(self) -> dict[Hashable, float]:
+        """Per calibrated class: the seconds its calibration cost, beyond the work itself."""
+        with self._lock:
+            return dict(self._calibration)
 
     def record(self, key: Hashable, count: int, seconds: float) -> None:
         """The time a product of class ``key`` took on ``count`` threads."""
