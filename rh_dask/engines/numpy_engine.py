@@ -38,7 +38,7 @@ from ..residuals import outlier_share, residual_scale
 from ..row_major import as_row_major
 from ..state import BatchDiagnostics, HuberState
 from ..validation import check_width
-from .blas_threads import one_blas_thread, resolve_blas_threads
+from .blas_threads import ProcessIdle, one_blas_thread, resolve_blas_threads
 from .row_blocks import row_blocks, run_tasks, thread_chooser, thread_counts
 
 __all__ = ["NumpyEngine", "solve_newton_system"]
@@ -60,6 +60,9 @@ GATHER_BLOCK_BYTES = 256 << 10
 #: chosen apart from the Grams', since handing blocks to another thread costs about 65 µs
 #: on the dev box, more than some of these GEMVs take (docs/performance.md).
 _GEMV_KINDS = frozenset({"matvec", "rmatvec"})
+#: The most a calibration waits for the process's other threads to go quiet (see
+#: :func:`_calibrate`).
+CALIBRATION_SETTLE_SECONDS = 0.3
 #: The products that run on one thread whatever the count (see :meth:`_Batch.run`).
 _ONE_THREAD_KINDS = frozenset({"trial1", "trial2"})
 
@@ -655,9 +658,15 @@ def _calibrate(
     after the others (paired). A bounded cost known before it starts: 2 ×
     len(counts) − 1 more Gram commits and 4 × len(counts) GEMVs of this batch.
     Every count gives the same bits, so the Grams returned are the batch's.
+
+    It starts once the process's other threads are quiet, for at most
+    :data:`CALIBRATION_SETTLE_SECONDS`: BLAS threads that another library
+    woke spin on after its calls (about 0.13 s with OpenBLAS) and would take
+    the cores a count is timed on.
     """
     chooser = thread_chooser()
     begin = time.perf_counter()
+    ProcessIdle().wait(baseline=0.0, max_seconds=CALIBRATION_SETTLE_SECONDS)
     order = [*counts, *reversed(counts)]
     result: tuple[np.ndarray, np.ndarray | None] = (batch.J, None)
     own = 0.0
