@@ -7,8 +7,9 @@ backend as an opponent (a new estimator per repeat, at the process's BLAS
 threads). With ``--threads`` the engine runs once per ``blas_threads``
 setting given (``auto`` and counts): the measurement behind the per-shape
 rule of ``rh-dask.numpy.blas-threads``. Every repeat runs each contender
-once, in an order rotated between repeats (a contender that follows a
-multithreaded one meets its still-spinning BLAS threads). With
+once, in an order rotated between repeats, each started once the BLAS
+threads the one before it woke have stopped spinning (``ProcessIdle``: they
+would otherwise take the cores of whichever contender comes next). With
 ``--no-skip-too`` each setting also runs with the LAMM's information test
 switched off (every trial takes its Z e): the same bits, so what the test
 saves. Writes schema-versioned JSON with every timing, the medians behind
@@ -31,6 +32,7 @@ from common import SHAPES, environment, fingerprint, summarize, write_json
 from rh_dask import HuberConfig, NumpyEngine
 from rh_dask.datasets import StreamSpec
 from rh_dask.engines import numpy_engine as numpy_engine_module
+from rh_dask.engines.blas_threads import ProcessIdle
 from rh_dask.engines.row_blocks import thread_chooser
 
 SCHEMA = "rh-dask/bench/numpy-engine/3"
@@ -93,10 +95,14 @@ def f64_solution(rows: int, features: int, batch: int, config: HuberConfig) -> n
 def time_case(contenders: dict, batches, repeats: int) -> tuple[dict, dict]:
     names = list(contenders)
     samples: dict[str, list[float]] = {name: [] for name in names}
+    idle, settled = ProcessIdle(), []
     out: dict[str, dict] = {}
     for i in range(repeats + 1):  # the first round warms caches, workspaces and choices
         k = i % len(names)
         for name in names[k:] + names[:k]:
+            # Untimed: wait for the BLAS threads the last contender woke to stop spinning,
+            # so that no contender is timed against the one before it.
+            settled.append(idle.wait(baseline=0.0, max_seconds=1.0))
             start = time.perf_counter()
             its, coef = contenders[name].run(batches)
             elapsed = time.perf_counter() - start

@@ -104,9 +104,7 @@ def test_any_thread_count_gives_the_same_bits(monkeypatch, penalty, dtype, weigh
         assert diags == one_diags, threads
         if threads == "auto":
             assert set(chooser.taken) == {1, 2, 4}  # powers of two up to the 4 cores
-            kinds = [key[0] for key, _ in chooser.records]
-            assert kinds.count("gram") == len(batches)  # the Grams' count, from each commit
-            assert kinds.count("gemv") == len(batches)  # the GEMVs', from each batch's Z v
+            assert len(chooser.records) == len(batches)  # each commit's time
     assert any(name.startswith("rh-dask-numpy-rows") for name in threads_seen)
     assert blas_seen == {1}
 
@@ -204,16 +202,13 @@ def test_auto_calibrates_each_batch_class_once_on_its_first_batch(monkeypatch):
     batches = _stream("float64", False, n=8000)
     X, y, _ = batches[0]
     engine.partial_fit(X, y)
-    grams = [c for k, c in recorded if k[0] == "gram"]
-    gemvs = [c for k, c in recorded if k[0] == "gemv"]
-    assert grams == [1, 2, 4, 4, 2, 1]
-    assert gemvs == [1, 2, 4, 4, 2, 1] * 2
+    assert [c for _, c in recorded] == [1, 2, 4, 4, 2, 1]
     ((shape, cost),) = chooser.calibration_seconds().items()
     assert shape == ("<f8", 13, True, X.shape[0].bit_length()) and cost > 0
     recorded.clear()
     for X, y, _ in batches[1:]:
         engine.partial_fit(X, y)
-    assert [k[0] for k, _ in recorded] == ["gram", "gemv"] * (len(batches) - 1)
+    assert len(recorded) == len(batches) - 1
     assert len(chooser.calibration_seconds()) == 1
 
 

@@ -56,10 +56,6 @@ FUSED_BLOCK_BYTES = 384 << 10
 GATHER_MIN_SAVING = 12
 #: Bytes of Z per gathered row block (a fraction of a core's L2 cache).
 GATHER_BLOCK_BYTES = 256 << 10
-#: The products that are GEMVs only (no Gram among their blocks): their thread count is
-#: chosen apart from the Grams', since handing blocks to another thread costs about 65 µs
-#: on the dev box, more than some of these GEMVs take (docs/performance.md).
-_GEMV_KINDS = frozenset({"matvec", "rmatvec"})
 #: The most a calibration waits for the process's other threads to go quiet (see
 #: :func:`_calibrate`).
 CALIBRATION_SETTLE_SECONDS = 0.3
@@ -186,16 +182,13 @@ class _Batch:
         state: HuberState,
         schedule: BatchSchedule,
         threads: int = 1,
-        gemv_threads: int = 1,
     ) -> None:
         n, d = X.shape
         p = state.n_params
         dt = config.np_dtype
         ws.ensure(n, p)
-        #: Threads that run the row blocks of this batch's Grams, and of its GEMVs.
-        self.threads, self.gemv_threads = threads, gemv_threads
-        #: Seconds and count of the GEMVs ``Z v`` this batch ran (all the same work).
-        self.matvec_seconds, self.matvec_calls = 0.0, 0
+        #: Threads that run the row blocks of this batch's products.
+        self.threads = threads
         if config.fit_intercept:
             Z = ws.design[:n]
             Z[:, :d] = X
@@ -231,23 +224,13 @@ class _Batch:
 
     # -- products over the rows, in fixed blocks (rh_dask.engines.row_blocks) -----
     def run(self, kind: str, rows: int, tasks: list[Callable[[], Any]]) -> list[Any]:
-        """The tasks' results in task order: GEMVs' on the batch's GEMV thread count, the
-        fused LAMM pass's on one (its small blocks' Python steps hold the GIL: on two
-        threads it took 1.6x its time on one, dev box), the rest on its thread count.
+        """The tasks' results in task order, on the batch's thread count; the fused LAMM
+        pass's on one (its small blocks' Python steps hold the GIL: on two threads it
+        took 1.6x its time on one, dev box).
 
         ``rows`` is the operand's (a profiler's eye).
         """
-        if kind in _ONE_THREAD_KINDS:
-            return run_tasks(tasks, 1)
-        if kind not in _GEMV_KINDS:
-            return run_tasks(tasks, self.threads)
-        if kind != "matvec":
-            return run_tasks(tasks, self.gemv_threads)
-        start = time.perf_counter()
-        results = run_tasks(tasks, self.gemv_threads)
-        self.matvec_seconds += time.perf_counter() - start
-        self.matvec_calls += 1
-        return results
+        return run_tasks(tasks, 1 if kind in _ONE_THREAD_KINDS else self.threads)
 
     def blocks(self, rows: int, fn: Callable[[int, int], Any]) -> list[Callable[[], Any]]:
         """``fn(start, stop)`` for each row block of a ``rows``-row operand, as tasks."""
@@ -553,23 +536,22 @@ class NumpyEngine:
             state = HuberState.empty(d, cfg.fit_intercept, dt)
         batch_weight = float(n) if w is None else float(np.sum(w, dtype=np.float64))
         schedule = batch_schedule(cfg, state, batch_weight)
-        # The thread counts: the engine's, or, for "auto", those whose batches of this
-        # class ran fastest lately, measured below on work that is the same in every batch
-        # of the class (the iterations are not): the commit's Grams for the Grams' count,
-        # the mean GEMV Z v for the GEMVs'. The class: dtype, p, whether K is kept and the
-        # rows to a power of 2. Any count gives the same bits.
+        # The thread count: the engine's, or, for "auto", the one whose batches of this
+        # class committed fastest lately (measured below: the commit's Grams are the same
+        # work in every batch of a class, where the iterations are not). One count for all
+        # of a batch's products: a count measured for the GEMVs alone left the pool's
+        # threads asleep between Grams, which then woke them slowly (dev box). The class:
+        # dtype, p, whether K is kept and the rows to a power of 2. Any count gives the
+        # same bits.
         shape = (dt.str, state.n_params, state.score_variance is not None, n.bit_length())
-        threads = gemv_threads = self.blas_threads
+        threads = self.blas_threads
         counts = thread_counts(len(row_blocks(n, state.n_params, dt.itemsize)))
         measured = threads is None and len(counts) > 1
         if measured:
-            threads = thread_chooser().choose(("gram", *shape), counts)
-            gemv_threads = thread_chooser().choose(("gemv", *shape), counts)
+            threads = thread_chooser().choose(shape, counts)
         elif threads is None:
-            threads = gemv_threads = 1
-        batch = _Batch(
-            self._ws, X, y, w, cfg, state, schedule, threads=threads, gemv_threads=gemv_threads
-        )
+            threads = 1
+        batch = _Batch(self._ws, X, y, w, cfg, state, schedule, threads=threads)
         if cfg.penalised:
             beta, iterations, converged = _solve_lamm(batch, cfg, schedule)
         else:
@@ -584,15 +566,12 @@ class NumpyEngine:
         score = state.score_variance is not None
         chooser = thread_chooser()
         if measured and not chooser.calibrated(shape):
-            gram, score_gram = _calibrate(batch, shape, counts, score, beta)
+            gram, score_gram = _calibrate(batch, shape, counts, score)
         else:
             start = time.perf_counter()
             gram, score_gram = batch.commit_grams(score)
             if measured:
-                chooser.record(("gram", *shape), threads, time.perf_counter() - start)
-                if batch.matvec_calls:
-                    seconds = batch.matvec_seconds / batch.matvec_calls
-                    chooser.record(("gemv", *shape), gemv_threads, seconds)
+                chooser.record(shape, threads, time.perf_counter() - start)
         information = state.information + gram
         score_variance = None if score_gram is None else state.score_variance + score_gram
         mean_loss, share, scale = batch.robust_diagnostics(batch_weight)
@@ -648,15 +627,15 @@ class NumpyEngine:
 
 
 def _calibrate(
-    batch: _Batch, shape: tuple[Any, ...], counts: tuple[int, ...], score: bool, beta: np.ndarray
+    batch: _Batch, shape: tuple[Any, ...], counts: tuple[int, ...], score: bool
 ) -> tuple[np.ndarray, np.ndarray | None]:
-    """Time the commit's Grams and the GEMV Z β at every thread count, on this batch.
+    """Time the commit's Grams at every thread count, on this batch.
 
     The first batch of a class under ``"auto"`` does it, once per process:
-    each count runs the commit's Grams twice and Z β four times, the counts in
-    an order and then in its reverse, so that each is timed as often before as
-    after the others (paired). A bounded cost known before it starts: 2 ×
-    len(counts) − 1 more Gram commits and 4 × len(counts) GEMVs of this batch.
+    each count runs the commit's Grams twice, the counts in an order and then
+    in its reverse, so that each is timed as often before as after the others
+    (paired). A bounded cost known before it starts: 2 × len(counts) − 1 more
+    Gram commits of this batch.
     Every count gives the same bits, so the Grams returned are the batch's.
 
     It starts once the process's other threads are quiet, for at most
@@ -675,12 +654,7 @@ def _calibrate(
         start = time.perf_counter()
         result = batch.commit_grams(score)
         own = time.perf_counter() - start
-        chooser.record(("gram", *shape), count, own)
-    for count in order + order:
-        batch.gemv_threads = count
-        start = time.perf_counter()
-        batch.matvec(beta, batch.zdir)  # Z β into a buffer the commit no longer reads
-        chooser.record(("gemv", *shape), count, time.perf_counter() - start)
+        chooser.record(shape, count, own)
     chooser.add_calibration(shape, time.perf_counter() - begin - own)
     return result
 
