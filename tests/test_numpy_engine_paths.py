@@ -334,3 +334,16 @@ def test_both_ways_to_the_gram_give_the_contracts_information(
     expected = (Z * weight[:, None]).T @ Z
     scale = np.abs(expected).max()
     np.testing.assert_allclose(gram, expected, rtol=TOL[dtype]["rtol"], atol=1e-6 * scale)
+
+
+def test_one_thread_keeps_no_second_scaled_buffer(monkeypatch):
+    """K's Gram reuses J's scaled Z on one thread; only beside J's on threads has it its own."""
+    _small_blocks(monkeypatch)
+    batches = _stream("float64", True)
+    one = NumpyEngine(HuberConfig(), blas_threads=1)
+    _, state_one = _run(one, batches)
+    assert one._ws.scaled_k is None
+    two = NumpyEngine(HuberConfig(), blas_threads=2)
+    _, state_two = _run(two, batches)
+    assert two._ws.scaled_k is not None and two._ws.scaled_k.shape == two._ws.scaled.shape
+    assert state_one.equals(state_two)

@@ -148,7 +148,7 @@ class _Workspace:
         self.cols = 0
 
     def scaled_k_for(self, n: int) -> np.ndarray:
-        """K's scaled Z for ``n`` rows (its own buffer: K's Gram runs beside J's)."""
+        """K's scaled Z for ``n`` rows, made at first use (K's Gram beside J's on threads)."""
         if self.scaled_k is None:
             self.scaled_k = np.empty_like(self.scaled)
         return self.scaled_k[:n]
@@ -403,11 +403,17 @@ class _Batch:
         return self.blocks(rows, block)
 
     def score_gram_tasks(self) -> list[Callable[[], np.ndarray]]:
-        """Tasks of :meth:`score_gram`; their buffers are their own, apart from :meth:`gram`'s."""
+        """Tasks of :meth:`score_gram`, apart from :meth:`gram`'s buffers on several threads.
+
+        On one thread they run after J's tasks (:meth:`commit_grams` lists them
+        last), each of which has taken its product from the shared scaled Z
+        before, so they reuse it and the engine keeps no second n × p buffer.
+        """
         s = np.abs(self.psi, out=self.t3)
         if self.w is not None:
             s *= np.sqrt(self.w, out=self.t4)
-        return self.scaled_gram_tasks(s, self.ws.scaled_k_for(len(s)))
+        scaled = self.ws.scaled_k_for(len(s)) if self.threads > 1 else self.scaled
+        return self.scaled_gram_tasks(s, scaled)
 
     def loss(self) -> float:
         """Σ w ρ(r) with ρ(r) = ψ (r − ψ/2)."""
