@@ -59,8 +59,6 @@ GATHER_BLOCK_BYTES = 256 << 10
 #: The most a calibration waits for the process's other threads to go quiet (see
 #: :func:`_calibrate`).
 CALIBRATION_SETTLE_SECONDS = 0.3
-#: The products that run on one thread whatever the count (see :meth:`_Batch.run`).
-_ONE_THREAD_KINDS = frozenset({"trial1", "trial2"})
 
 
 def solve_newton_system(hessian: np.ndarray, gradient: np.ndarray) -> np.ndarray:
@@ -223,14 +221,9 @@ class _Batch:
         self.sign0 = np.sign(self.beta0) * mask if schedule.history_scale else None
 
     # -- products over the rows, in fixed blocks (rh_dask.engines.row_blocks) -----
-    def run(self, kind: str, rows: int, tasks: list[Callable[[], Any]]) -> list[Any]:
-        """The tasks' results in task order, on the batch's thread count; the fused LAMM
-        pass's on one (its small blocks' Python steps hold the GIL: on two threads it
-        took 1.6x its time on one, dev box).
-
-        ``rows`` is the operand's (a profiler's eye).
-        """
-        return run_tasks(tasks, 1 if kind in _ONE_THREAD_KINDS else self.threads)
+    def run(self, tasks: list[Callable[[], Any]]) -> list[Any]:
+        """The tasks' results in task order, on the batch's thread count."""
+        return run_tasks(tasks, self.threads)
 
     def blocks(self, rows: int, fn: Callable[[int, int], Any]) -> list[Callable[[], Any]]:
         """``fn(start, stop)`` for each row block of a ``rows``-row operand, as tasks."""
@@ -244,7 +237,7 @@ class _Batch:
         def block(a: int, b: int) -> None:
             np.matmul(Z[a:b], v, out=out[a:b])
 
-        self.run("matvec", len(out), self.blocks(len(out), block))
+        self.run(self.blocks(len(out), block))
         return out
 
     def rmatvec_tasks(self, u: np.ndarray) -> list[Callable[[], np.ndarray]]:
@@ -303,7 +296,7 @@ class _Batch:
         step and a gradient GEMV would take one each. The products go to
         ``cand_zdir``, ``cand_r`` and ``cand_psi`` (index = position in
         ``steps``); the return value is each step's data term Zᵀ(w ⊙ ψ), summed
-        per row block of :meth:`spread` and then in block order.
+        per row block of :meth:`blocks` and then in block order.
         """
         Z, r, w, tau = self.Z, self.r, self.w, self.tau
         p = Z.shape[1]
@@ -326,7 +319,9 @@ class _Batch:
                     data[j] += pj @ zb
             return data
 
-        parts = self.run(f"trial{len(steps)}", len(r), self.blocks(len(r), block))
+        # On one thread at any count: the small blocks' Python steps hold the GIL, and
+        # on two threads the pass took 1.6x its time on one (dev box).
+        parts = run_tasks(self.blocks(len(r), block), 1)
         return [_sum_in_order([part[j] for part in parts]) for j in range(len(steps))]
 
     def weighted_sum(self, v: np.ndarray) -> float:
@@ -335,7 +330,7 @@ class _Batch:
     def gradient(self, beta: np.ndarray, data: np.ndarray | None = None) -> np.ndarray:
         """g(β) = [−Zᵀ(w ⊙ ψ) + J Δ] / N − (W/N) λ_{b−1} s (``data``: Zᵀ(w ⊙ ψ) if known)."""
         if data is None:
-            data = _sum_in_order(self.run("rmatvec", len(self.r), self.data_tasks()))
+            data = _sum_in_order(self.run(self.data_tasks()))
         g = self.J @ (beta - self.beta0) - data
         g *= self.inv_total
         if self.sign0 is not None:
@@ -350,28 +345,23 @@ class _Batch:
     def gradient_and_gram(self, beta: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """:meth:`gradient` and :meth:`gram` at the evaluated r, their blocks run together."""
         data, gram = self.data_tasks(), self.gram_tasks()
-        parts = self.run("gradient+gram", len(self.r), data + gram)
+        parts = self.run(data + gram)
         return (
             self.gradient(beta, _sum_in_order(parts[: len(data)])),
             _sum_in_order(parts[len(data) :]),
         )
 
     def commit_grams(self, score: bool) -> tuple[np.ndarray, np.ndarray | None]:
-        """:meth:`gram` and, with ``score``, :meth:`score_gram`, their blocks run together."""
-        gram = self.gram_tasks()
+        """:meth:`gram` and, with ``score``, K's Gram, their blocks run together."""
         if not score:
-            return _sum_in_order(self.run("gram", len(self.r), gram)), None
-        k = self.score_gram_tasks()
-        parts = self.run("grams", len(self.r), gram + k)
+            return self.gram(), None
+        gram, k = self.gram_tasks(), self.score_gram_tasks()
+        parts = self.run(gram + k)
         return _sum_in_order(parts[: len(gram)]), _sum_in_order(parts[len(gram) :])
 
     def gram(self) -> np.ndarray:
         """Zᵀ diag(w ⊙ κ(r)) Z through SYRK on √(wκ) ⊙ Z."""
-        return _sum_in_order(self.run("gram", len(self.r), self.gram_tasks()))
-
-    def score_gram(self) -> np.ndarray:
-        """Zᵀ diag(w ⊙ ψ(r)²) Z through SYRK on (√w ⊙ |ψ|) ⊙ Z, at the evaluated r."""
-        return _sum_in_order(self.run("score-gram", len(self.r), self.score_gram_tasks()))
+        return _sum_in_order(self.run(self.gram_tasks()))
 
     def gram_tasks(self) -> list[Callable[[], np.ndarray]]:
         """Tasks of :meth:`gram` (their sum in order is J's increment)."""
@@ -403,10 +393,11 @@ class _Batch:
         return self.blocks(rows, block)
 
     def score_gram_tasks(self) -> list[Callable[[], np.ndarray]]:
-        """Tasks of :meth:`score_gram`, apart from :meth:`gram`'s buffers on several threads.
+        """Tasks of K's Gram Zᵀ diag(w ⊙ ψ(r)²) Z, a SYRK on (√w ⊙ |ψ|) ⊙ Z per row block.
 
-        On one thread they run after J's tasks (:meth:`commit_grams` lists them
-        last), each of which has taken its product from the shared scaled Z
+        Their scaled Z is their own on several threads, where they run beside
+        J's. On one thread they run after J's tasks (:meth:`commit_grams` lists
+        them last), each of which has taken its product from the shared scaled Z
         before, so they reuse it and the engine keeps no second n × p buffer.
         """
         s = np.abs(self.psi, out=self.t3)
@@ -462,8 +453,9 @@ class NumpyEngine:
         Accepted for interface symmetry; any other device is refused.
     blas_threads : int or "auto", default "auto"
         Threads of the engine's products (``rh-dask.numpy.blas-threads``): a
-        count, or ``"auto"``, the count measured fastest per product class
-        while the stream runs (:mod:`rh_dask.engines.row_blocks`). Each BLAS
+        count, or ``"auto"``, per batch the count measured fastest for its
+        class (calibrated on the class's first batch in the process, see
+        :func:`_calibrate`; :mod:`rh_dask.engines.row_blocks`). Each BLAS
         call runs on one thread, in row blocks fixed by the shape, so the count
         changes no bit of a result. BLAS's own count is set to one on entry to
         each call and the one in force before it restored on exit.

@@ -12,8 +12,8 @@ Blocks run as tasks (:func:`run_tasks`) on the calling thread and on a
 process-wide pool (:func:`block_pool`), whose threads wait on a queue between
 products: nothing spins while the engine is not computing. Handing tasks to
 another thread costs about 65 µs on the dev box, more than a GEMV of a
-reference batch takes, so the products whose blocks are worth spreading are
-found by measurement, per product class.
+reference batch takes, so whether spreading pays is measured: the NumPy
+engine calibrates a count per batch class.
 """
 
 from __future__ import annotations
@@ -138,7 +138,7 @@ def thread_counts(tasks: int, cores: int | None = None) -> tuple[int, ...]:
 
 
 class ThreadChooser:
-    """A thread count per product class, from the times of its recent products.
+    """A thread count per class of work, from the times of its recent runs.
 
     A class is first calibrated (:meth:`calibrated`, :meth:`add_calibration`:
     its caller times the same work at every count, in an order and its
