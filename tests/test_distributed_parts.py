@@ -12,12 +12,14 @@ import numpy as np
 import pandas as pd
 import pytest
 from dask.sizeof import sizeof
+from threadpoolctl import threadpool_limits
 
 from rh_dask import HuberConfig, NumpyEngine, RenewableHuberRegressor
 from rh_dask.distributed.chunks import SMALL_LITERAL_BYTES, ChunkGraph, align_stream
 from rh_dask.distributed.consumer import OrderedConsumer
 from rh_dask.distributed.items import BadChunk, EmptyChunk, LoadedChunk
 from rh_dask.distributed.loading import assemble_chunk
+from rh_dask.engines.blas_threads import blas_threads_in_force
 from rh_dask.exceptions import ValidationError
 
 
@@ -73,6 +75,41 @@ def test_consumer_takes_chunks_in_index_order_whatever_the_arrival_order():
         np.testing.assert_array_equal([r.coefficients for r in records], betas)
     finally:
         consumer.close()
+
+
+class _BlasWatchingEngine(NumpyEngine):
+    """A NumPy engine that remembers BLAS's thread count as each batch begins."""
+
+    def __init__(self, config):
+        super().__init__(config)
+        self.counts = []
+
+    def partial_fit(self, X, y, sample_weight=None):
+        self.counts.append(blas_threads_in_force())
+        return super().partial_fit(X, y, sample_weight)
+
+
+def test_consumer_pins_blas_while_another_thread_controls_it():
+    """threadpoolctl >= 3.8 ignores limits set by a thread other than the controlling one."""
+    consumer = OrderedConsumer(lambda: _BlasWatchingEngine(HuberConfig()), blas_threads=1)
+    try:
+        # This thread takes OpenBLAS's control and keeps it while the stream runs.
+        with threadpool_limits(limits=2, user_api="blas"):
+            outside = blas_threads_in_force()
+            consumer.begin("s", None)
+            items = _chunks(n_chunks=3)
+            for item in items:
+                assert consumer.deliver("s", item)
+            _wait(consumer, len(items))
+            assert consumer.engine.counts == [1, 1, 1]
+            assert blas_threads_in_force() == outside  # restored when the engine left
+    finally:
+        consumer.close()
+
+
+def test_consumer_refuses_a_blas_count_it_does_not_keep():
+    with pytest.raises(ValueError, match="1 or None"):
+        OrderedConsumer(lambda: NumpyEngine(HuberConfig()), blas_threads=2)
 
 
 def test_consumer_skips_empty_stops_at_bad_and_ignores_stale():

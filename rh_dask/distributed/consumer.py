@@ -17,11 +17,12 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
-from contextlib import nullcontext
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from typing import Any
 
 from ..engines import Engine
+from ..engines.blas_threads import one_blas_thread
 from ..exceptions import ValidationError
 from ..state import OPTIONAL_DIAGNOSTICS, BatchDiagnostics, HuberState
 from ..stream import BatchRecord
@@ -84,26 +85,36 @@ class Progress:
 
 #: BLAS threads of every engine call of a stream (actor and in-process walk alike).
 #:
-#: Multithreaded BLAS sums in an order that depends on its thread count
-#: (measured with OpenBLAS: Zᵀv and w·v over 200k rows differ in the last bits
-#: between 1 and 2 threads), so a stream is only reproducible bit for bit if
-#: the count is fixed. One thread is what Dask workers start with, and a
-#: larger count pinned in a worker that also loads chunks made OpenBLAS's
-#: spinning threads slow the NumPy engine down up to 15x on a 2-core machine.
-#: The GPU engine uses no host BLAS; the setting costs it nothing. Not a
+#: The NumPy engine already runs each BLAS call on one thread and sums its
+#: row blocks in a fixed order, so its bits do not depend on this. The pin
+#: covers whatever else runs on the engine thread (``engine="auto"``'s
+#: probes, host-side work of other engines) and keeps OpenBLAS's threads
+#: from spinning after each call: a larger count in a worker that also loads
+#: chunks slowed the NumPy engine down up to 15x on a 2-core machine. Not a
 #: ``dask.config`` setting: a stream's results must not depend on where or
-#: how it ran, and another count would make them.
+#: how it ran.
 STREAM_BLAS_THREADS = 1
 
 
-def blas_limiter(threads: int | None) -> Callable[[], Any]:
-    """A context factory pinning BLAS to ``threads`` threads (no-op for ``None``)."""
+def blas_limiter(threads: int | None) -> Callable[[], AbstractContextManager[Any]]:
+    """A context factory pinning BLAS to one thread (``threads=1``), or a no-op (``None``).
+
+    The pin is :func:`~rh_dask.engines.blas_threads.one_blas_thread`, the
+    engines' own: it holds while another thread of the process controls
+    OpenBLAS's count (threadpoolctl >= 3.8 ignores the others' calls) and
+    restores the count in force only when the last thread inside leaves.
+
+    Raises
+    ------
+    ValueError
+        For a count other than 1 or ``None``: the engines compute on one
+        BLAS thread, so no other count is kept.
+    """
     if threads is None:
         return nullcontext
-    from threadpoolctl import ThreadpoolController
-
-    controller = ThreadpoolController()
-    return lambda: controller.limit(limits=threads, user_api="blas")
+    if threads != 1:
+        raise ValueError(f"blas_threads must be 1 or None, got {threads!r}")
+    return one_blas_thread
 
 
 class OrderedConsumer:
@@ -115,8 +126,8 @@ class OrderedConsumer:
         Builds the engine; runs on the consumer's thread. ``None`` with a
         ``starter``: the engine is built at the stream's first batch.
     blas_threads : int or None
-        BLAS thread count for engine calls (``None``: leave it as it is), see
-        :data:`STREAM_BLAS_THREADS`.
+        1 to run engine calls with BLAS on one thread, ``None`` to leave it
+        as it is; see :data:`STREAM_BLAS_THREADS` and :func:`blas_limiter`.
     starter : callable, optional
         ``starter(first, engine) -> (engine, choice)``: the engine of a
         stream that begins from the empty state, decided from its first
@@ -133,7 +144,8 @@ class OrderedConsumer:
     Exception
         Whatever ``factory`` raises (e.g. ``EngineUnavailableError``).
     ValueError
-        When neither or both of ``factory`` and ``starter`` are given.
+        When neither or both of ``factory`` and ``starter`` are given, or
+        ``blas_threads`` is neither 1 nor ``None``.
     """
 
     def __init__(
@@ -145,6 +157,7 @@ class OrderedConsumer:
     ) -> None:
         if (factory is None) == (starter is None):
             raise ValueError("OrderedConsumer needs exactly one of factory and starter")
+        self._limit = blas_limiter(blas_threads)
         self.starter = starter
         self.choice: Any = None
         #: ``(ring, pinning)`` of the relay ring kept with this engine between
@@ -169,7 +182,6 @@ class OrderedConsumer:
         self._waited = 0.0  # idle time of the engine thread since the last record
         self._thread = threading.Thread(target=self._run, name="rh-dask-engine", daemon=True)
         self._thread.start()
-        self._limit = self.call(lambda: blas_limiter(blas_threads))
         self.engine: Engine | None = None
         if factory is not None:
             try:
