@@ -104,6 +104,8 @@ class GpuEngine:
         meat, :attr:`rh_dask.HuberState.score_variance`) at each committed
         batch, for standard errors: one more pass over the batch and one
         p×p GEMM per batch. ``False``: the exported state has K = ``None``.
+        A penalised stream leaves K out whatever this says
+        (:attr:`~rh_dask.HuberConfig.keeps_score_variance`).
     diagnostics : bool, default=False
         Report each batch's robust diagnostics in its
         :class:`~rh_dask.state.BatchDiagnostics` (``mean_loss``,
@@ -528,7 +530,9 @@ class GpuEngine:
     def _fit_steps(
         self, X: Any, y: Any, w: Any | None, staged: Any
     ) -> Generator[None, None, BatchDiagnostics]:
-        accumulate_k = self._state.accumulates_k(self._score_variance)
+        accumulate_k = self._state.accumulates_k(
+            self._score_variance and self.config.keeps_score_variance
+        )
         diagnostics, counters = yield from self._batches.steps(
             X, y, w, staged, self._state.counters, accumulate_k
         )

@@ -94,6 +94,17 @@ class HuberConfig:
     def penalised(self) -> bool:
         return self.penalty == "l1"
 
+    @property
+    def keeps_score_variance(self) -> bool:
+        """Whether a stream of this configuration accumulates the score variance K.
+
+        K is the sandwich covariance's meat and serves inference only, which
+        a penalised fit does not have (:func:`rh_dask.inference.check_penalty`:
+        no naive intervals for coefficients the lasso selected). So an L1
+        stream leaves K out, a second Gram of every batch saved.
+        """
+        return not self.penalised
+
     def to_dict(self) -> dict[str, Any]:
         """A JSON-serialisable dict (checkpoints, reports)."""
         return asdict(self)

@@ -54,13 +54,23 @@ class HuberState:
     score_variance: np.ndarray | None = None
 
     @classmethod
-    def empty(cls, n_features: int, fit_intercept: bool, dtype: np.dtype | str) -> HuberState:
-        """The state before the first batch: β = 0, J = 0, K = 0, counters 0."""
+    def empty(
+        cls,
+        n_features: int,
+        fit_intercept: bool,
+        dtype: np.dtype | str,
+        score_variance: bool = True,
+    ) -> HuberState:
+        """The state before the first batch: β = 0, J = 0, K = 0 (or None), counters 0.
+
+        ``score_variance=False`` leaves K out (``None``), as a penalised
+        stream does (:attr:`HuberConfig.keeps_score_variance`).
+        """
         p = n_features + int(fit_intercept)
         return cls(
             coefficients=np.zeros(p, dtype=dtype),
             information=np.zeros((p, p), dtype=dtype),
-            score_variance=np.zeros((p, p), dtype=dtype),
+            score_variance=np.zeros((p, p), dtype=dtype) if score_variance else None,
             n_features_in=int(n_features),
             fit_intercept=bool(fit_intercept),
         )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import json
 import math
@@ -179,6 +180,7 @@ def test_bytes_and_files_hold_the_same_checkpoint(walk_ckpt, tmp_path):
 
 
 def test_walk_members_and_json_key(walk_ckpt, stream):
+    assert walk_ckpt.state.score_variance is None  # an L1 stream keeps no K
     with zipfile.ZipFile(io.BytesIO(checkpoint_bytes(walk_ckpt))) as archive:
         assert sorted(archive.namelist()) == sorted(
             f"{n}.npy"
@@ -186,7 +188,6 @@ def test_walk_members_and_json_key(walk_ckpt, stream):
                 "metadata",
                 "coefficients",
                 "information",
-                "score_variance",
                 "feature_names",
                 "history",
                 "coef_history",
@@ -200,7 +201,8 @@ def test_walk_members_and_json_key(walk_ckpt, stream):
     assert walk["recoveries"][1]["detect_seconds"] is None  # NaN is written as null
     assert len(HISTORY_FIELDS) == 10
     # A plain checkpoint has neither the key nor the members.
-    plain = Checkpoint(walk_ckpt.config, walk_ckpt.state, None, "numpy")
+    with_k = dataclasses.replace(walk_ckpt.state, score_variance=np.eye(5))
+    plain = Checkpoint(walk_ckpt.config, with_k, None, "numpy")
     with zipfile.ZipFile(io.BytesIO(checkpoint_bytes(plain))) as archive:
         assert sorted(archive.namelist()) == sorted(
             f"{n}.npy"

@@ -13,9 +13,11 @@ from devices import gpu_usable
 from scipy import stats
 
 from rh_dask import (
+    HuberConfig,
     HuberState,
     InferenceError,
     NotFittedError,
+    NumpyEngine,
     RenewableHuberRegressor,
     ValidationError,
 )
@@ -212,6 +214,25 @@ def test_l1_is_refused_with_the_reason_and_the_model_unchanged(snapshot, assert_
             get()
     assert_unchanged(before, snapshot(model))
     assert issubclass(InferenceError, ValueError)
+
+
+def test_an_l1_stream_keeps_no_score_variance_and_drops_an_imported_one():
+    """K serves inference only, which an L1 fit has not: its commits skip the second Gram."""
+    assert HuberConfig().keeps_score_variance
+    assert not HuberConfig(penalty="l1").keeps_score_variance
+    assert _fitted(penalty="l1").state_.score_variance is None
+    assert _fitted().state_.score_variance is not None
+    (X0, y0), (X1, y1) = [(np.asarray(X, dtype=np.float64), y) for X, y in _frames()[:2]]
+    unpenalised = NumpyEngine(HuberConfig())
+    unpenalised.partial_fit(X0, y0)
+    with_k = unpenalised.export_state()
+    assert with_k.score_variance is not None
+    lasso = NumpyEngine(HuberConfig(penalty="l1"))
+    lasso.import_state(with_k)
+    lasso.partial_fit(X1, y1)  # an L1 stream continuing a state with K drops it
+    assert lasso.export_state().score_variance is None
+    unpenalised.partial_fit(X1, y1)  # an unpenalised one adds this batch's Gram
+    assert not np.array_equal(unpenalised.export_state().score_variance, with_k.score_variance)
 
 
 def test_unfitted_raises_not_fitted():

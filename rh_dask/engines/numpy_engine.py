@@ -531,7 +531,7 @@ class NumpyEngine:
         n, d = X.shape
         state = self._state
         if state is None:
-            state = HuberState.empty(d, cfg.fit_intercept, dt)
+            state = HuberState.empty(d, cfg.fit_intercept, dt, cfg.keeps_score_variance)
         batch_weight = float(n) if w is None else float(np.sum(w, dtype=np.float64))
         schedule = batch_schedule(cfg, state, batch_weight)
         # The thread count: the engine's, or, for "auto", the one whose batches of this
@@ -541,7 +541,8 @@ class NumpyEngine:
         # threads asleep between Grams, which then woke them slowly (dev box). The class:
         # dtype, p, whether K is kept and the rows to a power of 2. Any count gives the
         # same bits.
-        shape = (dt.str, state.n_params, state.score_variance is not None, n.bit_length())
+        keeps_k = cfg.keeps_score_variance and state.score_variance is not None
+        shape = (dt.str, state.n_params, keeps_k, n.bit_length())
         threads = self.blas_threads
         counts = thread_counts(len(row_blocks(n, state.n_params, dt.itemsize)))
         measured = threads is None and len(counts) > 1
@@ -556,12 +557,13 @@ class NumpyEngine:
             # Under a one-thread limit already, the p×p solve needs no limit of its own.
             beta, iterations, converged = _solve_newton(batch, cfg, _solve_ladder)
         # Commit: r, κ, ψ and both Grams at the final β_b. K is accumulated only
-        # while the stream has it (a state imported without K continues without).
+        # while the stream has it (a state imported without K continues without) and
+        # its configuration keeps it (a penalised stream drops an imported K).
         batch.evaluate(beta)
         objective = batch.objective(beta)
         if cfg.penalised:
             objective += schedule.lambda_value * float(np.abs(beta * batch.mask).sum())
-        score = state.score_variance is not None
+        score = keeps_k
         chooser = thread_chooser()
         if measured and not chooser.calibrated(shape):
             gram, score_gram = _calibrate(batch, shape, counts, score)
