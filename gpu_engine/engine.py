@@ -189,7 +189,10 @@ class GpuEngine:
             raise ValidationError(
                 f"pinned_idle_bytes must be a whole number >= 0 or None, got {pinned_idle_bytes!r}"
             )
-        self._score_variance = _check_flag("score_variance", score_variance)
+        # An L1 stream leaves K out whatever the flag says (no inference for L1).
+        self._score_variance = (
+            _check_flag("score_variance", score_variance) and config.keeps_score_variance
+        )
         self._diagnostics = _check_flag("diagnostics", diagnostics)
         hold_gil = _check_flag("hold_gil", hold_gil)
         if cholesky not in CHOLESKY_MODES:
@@ -530,9 +533,7 @@ class GpuEngine:
     def _fit_steps(
         self, X: Any, y: Any, w: Any | None, staged: Any
     ) -> Generator[None, None, BatchDiagnostics]:
-        accumulate_k = self._state.accumulates_k(
-            self._score_variance and self.config.keeps_score_variance
-        )
+        accumulate_k = self._state.accumulates_k(self._score_variance)
         diagnostics, counters = yield from self._batches.steps(
             X, y, w, staged, self._state.counters, accumulate_k
         )
