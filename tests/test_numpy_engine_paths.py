@@ -103,7 +103,9 @@ def test_any_thread_count_gives_the_same_bits(monkeypatch, penalty, dtype, weigh
         assert diags == one_diags, threads
         if threads == "auto":
             assert set(chooser.taken) == {1, 2, 4}  # powers of two up to the 4 cores
-            assert len(chooser.records) == len(batches)  # each commit's time
+            grams = [key for key, _ in chooser.records if "gemv" not in key]
+            assert len(grams) == len(batches)  # each commit's time
+            assert len(chooser.records) > len(grams)  # and each Z v's
     assert any(name.startswith("rh-dask-numpy-rows") for name in threads_seen)
     assert blas_seen == {1}
 
@@ -202,14 +204,23 @@ def test_auto_calibrates_each_batch_class_once_on_its_first_batch(monkeypatch):
     batches = _stream("float64", False, n=8000)
     X, y, _ = batches[0]
     engine.partial_fit(X, y)
-    assert [c for _, c in recorded] == [1, 2, 4, 4, 2, 1]
-    ((shape, cost),) = chooser.calibration_seconds().items()
-    assert shape == ("<f8", 13, True, X.shape[0].bit_length()) and cost > 0
+    rows = X.shape[0].bit_length()
+    gram, gemv = ("<f8", 13, True, rows), ("<f8", 13, "gemv", rows)
+    assert [c for k, c in recorded if k == gram] == [1, 2, 4, 4, 2, 1]
+    # The matrix-vector products: their calibration's rounds, then each Z v of the solve.
+    gemv_counts = [c for k, c in recorded if k == gemv]
+    rounds = numpy_engine_module.GEMV_CALIBRATION_ROUNDS
+    assert gemv_counts[: 6 * rounds] == [1, 2, 4, 4, 2, 1] * rounds
+    assert len(gemv_counts) > 6 * rounds and len(set(gemv_counts[6 * rounds :])) == 1
+    assert {k for k, _ in recorded} == {gram, gemv}
+    costs = chooser.calibration_seconds()
+    assert set(costs) == {gram, gemv} and all(cost > 0 for cost in costs.values())
     recorded.clear()
     for X, y, _ in batches[1:]:
         engine.partial_fit(X, y)
-    assert len(recorded) == len(batches) - 1
-    assert len(chooser.calibration_seconds()) == 1
+    assert len([k for k, _ in recorded if k == gram]) == len(batches) - 1
+    assert len([k for k, _ in recorded if k == gemv]) >= len(batches) - 1
+    assert chooser.calibration_seconds() == costs  # no class calibrated twice
 
 
 @pytest.mark.parametrize("penalty", ["none", "l1"])

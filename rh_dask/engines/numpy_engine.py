@@ -60,6 +60,11 @@ GATHER_BLOCK_BYTES = 256 << 10
 #: :func:`_calibrate`).
 CALIBRATION_SETTLE_SECONDS = 0.3
 
+#: Rounds of the matrix-vector products' calibration (each: every count, in an order
+#: and its reverse). A GEMV takes 0.1-3 ms on the sweep's shapes, so a round costs little
+#: and one sample per direction is too few to rank counts apart by 10 %.
+GEMV_CALIBRATION_ROUNDS = 3
+
 
 def solve_newton_system(hessian: np.ndarray, gradient: np.ndarray) -> np.ndarray:
     """D = H⁻¹ g, see :func:`_solve_ladder`, with every BLAS pool on one thread.
@@ -185,8 +190,14 @@ class _Batch:
         p = state.n_params
         dt = config.np_dtype
         ws.ensure(n, p)
-        #: Threads that run the row blocks of this batch's products.
+        #: Threads that run the row blocks of this batch's Grams.
         self.threads = threads
+        #: Threads of its matrix-vector products (Z v and Zᵀ u of the LAMM, Z D of the
+        #: line search): memory-bound, and cheap enough that a pool's hand-over can cost
+        #: more than a second thread saves, so their count is measured on its own.
+        self.gemv_threads = threads
+        #: ``(chooser, key)`` to which each Z v reports its time, or None.
+        self.gemv_timer: tuple[Any, Any] | None = None
         if config.fit_intercept:
             Z = ws.design[:n]
             Z[:, :d] = X
@@ -231,13 +242,18 @@ class _Batch:
         return [functools.partial(fn, a, b) for a, b in blocks]
 
     def matvec(self, v: np.ndarray, out: np.ndarray) -> np.ndarray:
-        """``out = Z v``, a GEMV per row block."""
+        """``out = Z v``, a GEMV per row block, on :attr:`gemv_threads`."""
         Z = self.Z
 
         def block(a: int, b: int) -> None:
             np.matmul(Z[a:b], v, out=out[a:b])
 
-        self.run(self.blocks(len(out), block))
+        count = self.gemv_threads
+        start = time.perf_counter()
+        run_tasks(self.blocks(len(out), block), count)
+        if self.gemv_timer is not None:
+            chooser, key = self.gemv_timer
+            chooser.record(key, count, time.perf_counter() - start)
         return out
 
     def rmatvec_tasks(self, u: np.ndarray) -> list[Callable[[], np.ndarray]]:
@@ -330,7 +346,7 @@ class _Batch:
     def gradient(self, beta: np.ndarray, data: np.ndarray | None = None) -> np.ndarray:
         """g(β) = [−Zᵀ(w ⊙ ψ) + J Δ] / N − (W/N) λ_{b−1} s (``data``: Zᵀ(w ⊙ ψ) if known)."""
         if data is None:
-            data = _sum_in_order(self.run(self.data_tasks()))
+            data = _sum_in_order(run_tasks(self.data_tasks(), self.gemv_threads))
         g = self.J @ (beta - self.beta0) - data
         g *= self.inv_total
         if self.sign0 is not None:
@@ -551,6 +567,15 @@ class NumpyEngine:
         elif threads is None:
             threads = 1
         batch = _Batch(self._ws, X, y, w, cfg, state, schedule, threads=threads)
+        if measured:
+            # The matrix-vector products' own count, measured the same way: a class of
+            # its own, calibrated on its first batch with Z β_{b-1}, each later Z v timed.
+            gemv_shape = (dt.str, state.n_params, "gemv", n.bit_length())
+            chooser = thread_chooser()
+            if not chooser.calibrated(gemv_shape):
+                _calibrate_gemv(batch, gemv_shape, counts)
+            batch.gemv_threads = chooser.choose(gemv_shape, counts)
+            batch.gemv_timer = (chooser, gemv_shape)
         if cfg.penalised:
             beta, iterations, converged = _solve_lamm(batch, cfg, schedule)
         else:
@@ -657,6 +682,28 @@ def _calibrate(
         chooser.record(shape, count, own)
     chooser.add_calibration(shape, time.perf_counter() - begin - own)
     return result
+
+
+def _calibrate_gemv(batch: _Batch, shape: tuple[Any, ...], counts: tuple[int, ...]) -> None:
+    """Time Z β_{b-1} at every thread count, on this batch (as :func:`_calibrate`).
+
+    Each count runs it :data:`GEMV_CALIBRATION_ROUNDS` times over, the counts in
+    an order and then its reverse; the product lands in a scratch vector that
+    :meth:`_Batch.evaluate` overwrites, so the batch is unchanged. A bounded
+    cost: 2 × rounds × len(counts) GEMVs of this batch.
+    """
+    chooser = thread_chooser()
+    begin = time.perf_counter()
+    ProcessIdle().wait(baseline=0.0, max_seconds=CALIBRATION_SETTLE_SECONDS)
+    before = batch.gemv_threads
+    for _ in range(GEMV_CALIBRATION_ROUNDS):
+        for count in [*counts, *reversed(counts)]:
+            batch.gemv_threads = count
+            start = time.perf_counter()
+            batch.matvec(batch.beta0, batch.zdir)
+            chooser.record(shape, count, time.perf_counter() - start)
+    batch.gemv_threads = before
+    chooser.add_calibration(shape, time.perf_counter() - begin)
 
 
 def _sum_in_order(parts: list[np.ndarray]) -> np.ndarray:
