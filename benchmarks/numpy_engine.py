@@ -7,9 +7,11 @@ backend as an opponent (a new estimator per repeat, at the process's BLAS
 threads). With ``--threads`` the engine runs once per ``blas_threads``
 setting given (``auto`` and counts): the measurement behind the per-shape
 rule of ``rh-dask.numpy.blas-threads``. Every repeat runs each contender
-once, in an order rotated between repeats, each started once the BLAS
-threads the one before it woke have stopped spinning (``ProcessIdle``: they
-would otherwise take the cores of whichever contender comes next). With
+once, in orders where each follows each other one equally often (a Williams
+design), each started once the BLAS threads the one before it woke have
+stopped spinning (``ProcessIdle``: they would otherwise take the cores of
+whichever contender comes next); a short case gets more repeats, until each
+contender ran ``--min-seconds``. With
 ``--no-skip-too`` each setting also runs with the LAMM's information test
 switched off (every trial takes its Z e): the same bits, so what the test
 saves. Writes schema-versioned JSON with every timing, the medians behind
@@ -24,6 +26,7 @@ in the first, untimed round).
 from __future__ import annotations
 
 import argparse
+import math
 import time
 
 import numpy as np
@@ -92,14 +95,53 @@ def f64_solution(rows: int, features: int, batch: int, config: HuberConfig) -> n
     return engine.coefficients()
 
 
-def time_case(contenders: dict, batches, repeats: int) -> tuple[dict, dict]:
+def balanced_orders(n: int) -> list[list[int]]:
+    """Orders of ``n`` contenders in which each follows each other one equally often.
+
+    A Williams design: row i is 0, 1, n−1, 2, n−2, ... shifted by i (mod n),
+    and for odd n each row's reverse too. A plain rotation keeps every
+    contender behind the same one (measured: whatever ran right after
+    renewable-huber's OpenBLAS took 1.2-1.4x its time on the dev box's 2-core
+    latency cases, though the process was idle again by then).
+    """
+    first, low, high = [0], 1, n - 1
+    while len(first) < n:
+        first.append(low)
+        low += 1
+        if len(first) < n:
+            first.append(high)
+            high -= 1
+    rows = [[(c + i) % n for c in first] for i in range(n)]
+    if n % 2:
+        rows += [row[::-1] for row in rows]
+    return rows
+
+
+#: The most repeats a short case is given to reach ``--min-seconds``.
+MAX_REPEATS = 101
+
+
+def time_case(
+    contenders: dict, batches, repeats: int, min_seconds: float = 0.0
+) -> tuple[dict, dict]:
+    """Median stream seconds per contender, over ``repeats`` rounds or more.
+
+    Each round runs every contender once, in the orders of :func:`balanced_orders`.
+
+    A case whose slowest contender's stream is short gets more rounds, so that
+    each contender is timed for at least ``min_seconds`` (at most
+    :data:`MAX_REPEATS` rounds): five samples of a 2 ms stream on a shared
+    machine rank contenders by noise.
+    """
     names = list(contenders)
     samples: dict[str, list[float]] = {name: [] for name in names}
     idle, settled = ProcessIdle(), []
     out: dict[str, dict] = {}
-    for i in range(repeats + 1):  # the first round warms caches, workspaces and choices
-        k = i % len(names)
-        for name in names[k:] + names[:k]:
+    warm: list[float] = []
+    i = 0
+    orders = balanced_orders(len(names))
+    while i <= repeats:  # the first round warms caches, workspaces and choices
+        for name in (names[c] for c in orders[i % len(orders)]):
             # Untimed: wait for the BLAS threads the last contender woke to stop spinning,
             # so that no contender is timed against the one before it.
             settled.append(idle.wait(baseline=0.0, max_seconds=1.0))
@@ -108,7 +150,12 @@ def time_case(contenders: dict, batches, repeats: int) -> tuple[dict, dict]:
             elapsed = time.perf_counter() - start
             if i:
                 samples[name].append(elapsed)
+            else:
+                warm.append(elapsed)
             out[name] = {"iterations": its, "coef": coef}
+        if i == 0 and min_seconds > 0:
+            repeats = max(repeats, min(MAX_REPEATS, math.ceil(min_seconds / max(warm))))
+        i += 1
     result = {}
     for name in names:
         result[name] = {
@@ -125,6 +172,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dtypes", nargs="+", default=["float64", "float32"])
     parser.add_argument("--penalties", nargs="+", default=["none", "l1"])
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument(
+        "--min-seconds",
+        type=float,
+        default=0.5,
+        help="more repeats for short cases, until each contender ran this long",
+    )
     parser.add_argument(
         "--threads", nargs="+", default=["auto"], help="blas_threads settings: auto or counts"
     )
@@ -151,7 +204,7 @@ def main(argv: list[str] | None = None) -> int:
                         contenders[f"rh_dask_numpy[{t},no-skip]"] = RhDask(config, t, skip=False)
                 if args.opponent:
                     contenders["renewable_huber_numpy"] = Opponent(config)
-                results, coefs = time_case(contenders, batches, args.repeats)
+                results, coefs = time_case(contenders, batches, args.repeats, args.min_seconds)
                 if dtype == "float32":
                     # How far each float32 answer lies from the float64 stream's, in units
                     # of the contract's float32 tolerance (<= 1: within it).
@@ -192,6 +245,7 @@ def main(argv: list[str] | None = None) -> int:
         "environment": environment(),
         "settings": {
             "repeats": args.repeats,
+            "min_seconds": args.min_seconds,
             "threads": settings,
             "opponent": args.opponent,
             "no_skip_too": args.no_skip_too,
