@@ -469,9 +469,11 @@ class NumpyEngine:
         Accepted for interface symmetry; any other device is refused.
     blas_threads : int or "auto", default "auto"
         Threads of the engine's products (``rh-dask.numpy.blas-threads``): a
-        count, or ``"auto"``, per batch the count measured fastest for its
-        class (calibrated on the class's first batch in the process, see
-        :func:`_calibrate`; :mod:`rh_dask.engines.row_blocks`). Each BLAS
+        count, or ``"auto"``, per batch two counts measured fastest for its
+        class, one for the Grams and one for the matrix-vector products
+        (calibrated on the class's first batch in the process, see
+        :func:`_calibrate` and :func:`_calibrate_gemv`;
+        :mod:`rh_dask.engines.row_blocks`). Each BLAS
         call runs on one thread, in row blocks fixed by the shape, so the count
         changes no bit of a result. BLAS's own count is set to one on entry to
         each call and the one in force before it restored on exit.
@@ -550,13 +552,11 @@ class NumpyEngine:
             state = HuberState.empty(d, cfg.fit_intercept, dt, cfg.keeps_score_variance)
         batch_weight = float(n) if w is None else float(np.sum(w, dtype=np.float64))
         schedule = batch_schedule(cfg, state, batch_weight)
-        # The thread count: the engine's, or, for "auto", the one whose batches of this
-        # class committed fastest lately (measured below: the commit's Grams are the same
-        # work in every batch of a class, where the iterations are not). One count for all
-        # of a batch's products: a count measured for the GEMVs alone left the pool's
-        # threads asleep between Grams, which then woke them slowly (dev box). The class:
-        # dtype, p, whether K is kept and the rows to a power of 2. Any count gives the
-        # same bits.
+        # The Grams' thread count: the engine's, or, for "auto", the one whose batches of
+        # this class committed fastest lately (measured below: the commit's Grams are the
+        # same work in every batch of a class, where the iterations are not). The class:
+        # dtype, p, whether K is kept and the rows to a power of 2. The matrix-vector
+        # products take a count of their own (below). Any count gives the same bits.
         keeps_k = cfg.keeps_score_variance and state.score_variance is not None
         shape = (dt.str, state.n_params, keeps_k, n.bit_length())
         threads = self.blas_threads
