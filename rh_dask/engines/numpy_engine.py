@@ -688,8 +688,8 @@ def _calibrate_gemv(batch: _Batch, shape: tuple[Any, ...], counts: tuple[int, ..
     """Time Z β_{b-1} at every thread count, on this batch (as :func:`_calibrate`).
 
     Each count runs it :data:`GEMV_CALIBRATION_ROUNDS` times over, the counts in
-    an order and then its reverse; the product lands in a scratch vector that
-    :meth:`_Batch.evaluate` overwrites, so the batch is unchanged. A bounded
+    an order and then its reverse; the product lands in ``zdir``, scratch that
+    the solvers write before they read it, so the batch is unchanged. A bounded
     cost: 2 × rounds × len(counts) GEMVs of this batch.
     """
     chooser = thread_chooser()
