@@ -762,6 +762,31 @@ def _lines(stream, sink: queue.Queue) -> None:
     sink.put(None)
 
 
+def test_an_interrupted_wait_on_an_actor_adds_no_warning_to_the_line(monkeypatch, capsys):
+    """distributed's ActorFuture leaves its result coroutine unawaited when interrupted."""
+    import warnings
+
+    from rh_dask.app import cli as cli_module
+
+    class ActorFuture:  # the name Python's warning carries
+        async def _result(self):
+            return None
+
+    def handler(args, argv):
+        waiting = ActorFuture()._result()  # noqa: F841 - abandoned, as an interrupt does
+        raise KeyboardInterrupt
+
+    parser = argparse.ArgumentParser()
+    parser.set_defaults(handler=handler, traceback=False)
+    monkeypatch.setattr(cli_module, "build_parser", lambda: parser)
+    monkeypatch.setattr(cli_module, "_check_usage", lambda parser, args: None)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert cli_module.main([]) == cli_module.EXIT_INTERRUPTED
+    assert [str(w.message) for w in caught] == []
+    assert capsys.readouterr().err.splitlines() == ["rh-dask: interrupted"]
+
+
 def test_ctrl_c_on_the_default_local_cluster_is_one_line_and_prompt(tmp_path):
     """SIGINT to the process group, as a terminal sends it, in the middle of a fit."""
     spec = StreamSpec(n_features=4, seed=11)

@@ -27,6 +27,7 @@ Exit codes (also in ``rh-dask --help``):
 from __future__ import annotations
 
 import argparse
+import gc
 import inspect
 import json
 import os
@@ -35,6 +36,7 @@ import sys
 import tempfile
 import time
 import traceback
+import warnings
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -1201,16 +1203,31 @@ def _one_line(exc: BaseException) -> str:
     return text or type(exc).__name__
 
 
+#: What Python says when it collects the coroutine of a wait on an actor that an
+#: interrupt abandoned (distributed's ``ActorFuture``): nothing was lost, the
+#: interrupt's own line says what was kept.
+_ABANDONED_WAIT = r"coroutine '.*ActorFuture\._result' was never awaited"
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line; returns the exit code (see the module docstring)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
     args = parser.parse_args(argv)
     _check_usage(parser, args)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=_ABANDONED_WAIT, category=RuntimeWarning)
+        code = _run(args, argv)
+        gc.collect()  # an abandoned wait's coroutine is collected under the filter
+    return code
+
+
+def _run(args: argparse.Namespace, argv: list[str]) -> int:
     try:
         return args.handler(args, argv)
     except KeyboardInterrupt as exc:
         line = _line_of(exc) or "interrupted"
+        exc.__traceback__ = None  # its frames hold the abandoned wait, if any
         print(f"rh-dask: {line}", file=sys.stderr)
         return EXIT_INTERRUPTED
     except BrokenPipeError:
