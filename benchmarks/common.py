@@ -98,6 +98,44 @@ def git_revision() -> str | None:
         return None
 
 
+def git_tree_clean() -> bool | None:
+    """Whether the tracked files are those of :func:`git_revision` (None: no git).
+
+    A copy of a working tree run elsewhere may carry a stale ``.git``: its
+    revision then names other code, and this says so.
+    """
+    try:
+        changed = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout
+    except (OSError, subprocess.CalledProcessError):
+        return None
+    return not changed.strip()
+
+
+#: The code a result depends on, digested by :func:`source_digest`.
+SOURCE_DIRS = ("rh_dask", "gpu_engine", "benchmarks")
+
+
+def source_digest(root: str | os.PathLike[str] | None = None) -> str:
+    """SHA-256 of the library's and the benchmarks' source files (paths and bytes).
+
+    Names the code that ran whatever git says: the same digest computed on a
+    checkout of a commit tells whether that commit is the one measured.
+    """
+    base = Path(__file__).resolve().parent.parent if root is None else Path(root)
+    digest = hashlib.sha256()
+    for top in SOURCE_DIRS:
+        for path in sorted((base / top).rglob("*")):
+            if path.is_file() and path.suffix in {".py", ".yaml", ".cu", ".cuh", ".sh"}:
+                digest.update(path.relative_to(base).as_posix().encode() + b"\0")
+                digest.update(path.read_bytes())
+    return digest.hexdigest()
+
+
 def environment() -> dict[str, Any]:
     """Everything about the machine and software a reader needs to trust a number."""
     return {
@@ -126,6 +164,8 @@ def environment() -> dict[str, Any]:
             ]
         ),
         "git_revision": git_revision(),
+        "git_tree_clean": git_tree_clean(),
+        "source_sha256": source_digest(),
     }
 
 
@@ -178,3 +218,8 @@ def _jsonable(value: Any) -> Any:
     if isinstance(value, np.ndarray):
         return value.tolist()
     raise TypeError(f"not JSON serialisable: {type(value).__name__}")
+
+
+if __name__ == "__main__":
+    # The digest of this checkout's sources, to match against a result's source_sha256.
+    print(source_digest())
