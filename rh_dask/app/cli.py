@@ -1217,9 +1217,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     _check_usage(parser, args)
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=_ABANDONED_WAIT, category=RuntimeWarning)
-        code = _run(args, argv)
-        gc.collect()  # an abandoned wait's coroutine is collected under the filter
-    return code
+        return _run(args, argv)
 
 
 def _run(args: argparse.Namespace, argv: list[str]) -> int:
@@ -1228,6 +1226,7 @@ def _run(args: argparse.Namespace, argv: list[str]) -> int:
     except KeyboardInterrupt as exc:
         line = _line_of(exc) or "interrupted"
         exc.__traceback__ = None  # its frames hold the abandoned wait, if any
+        gc.collect()  # which is collected here, under main's filter
         print(f"rh-dask: {line}", file=sys.stderr)
         return EXIT_INTERRUPTED
     except BrokenPipeError:

@@ -562,8 +562,9 @@ class NumpyEngine:
         threads = self.blas_threads
         counts = thread_counts(len(row_blocks(n, state.n_params, dt.itemsize)))
         measured = threads is None and len(counts) > 1
+        chooser = thread_chooser()
         if measured:
-            threads = thread_chooser().choose(shape, counts)
+            threads = chooser.choose(shape, counts)
         elif threads is None:
             threads = 1
         batch = _Batch(self._ws, X, y, w, cfg, state, schedule, threads=threads)
@@ -571,7 +572,6 @@ class NumpyEngine:
             # The matrix-vector products' own count, measured the same way: a class of
             # its own, calibrated on its first batch with Z β_{b-1}, each later Z v timed.
             gemv_shape = (dt.str, state.n_params, "gemv", n.bit_length())
-            chooser = thread_chooser()
             if not chooser.calibrated(gemv_shape):
                 _calibrate_gemv(batch, gemv_shape, counts)
             batch.gemv_threads = chooser.choose(gemv_shape, counts)
@@ -588,13 +588,11 @@ class NumpyEngine:
         objective = batch.objective(beta)
         if cfg.penalised:
             objective += schedule.lambda_value * float(np.abs(beta * batch.mask).sum())
-        score = keeps_k
-        chooser = thread_chooser()
         if measured and not chooser.calibrated(shape):
-            gram, score_gram = _calibrate(batch, shape, counts, score)
+            gram, score_gram = _calibrate(batch, shape, counts, keeps_k)
         else:
             start = time.perf_counter()
-            gram, score_gram = batch.commit_grams(score)
+            gram, score_gram = batch.commit_grams(keeps_k)
             if measured:
                 chooser.record(shape, threads, time.perf_counter() - start)
         information = state.information + gram
@@ -695,13 +693,11 @@ def _calibrate_gemv(batch: _Batch, shape: tuple[Any, ...], counts: tuple[int, ..
     chooser = thread_chooser()
     begin = time.perf_counter()
     ProcessIdle().wait(baseline=0.0, max_seconds=CALIBRATION_SETTLE_SECONDS)
-    before = batch.gemv_threads
+    before, batch.gemv_timer = batch.gemv_threads, (chooser, shape)  # matvec records each
     for _ in range(GEMV_CALIBRATION_ROUNDS):
         for count in [*counts, *reversed(counts)]:
             batch.gemv_threads = count
-            start = time.perf_counter()
             batch.matvec(batch.beta0, batch.zdir)
-            chooser.record(shape, count, time.perf_counter() - start)
     batch.gemv_threads = before
     chooser.add_calibration(shape, time.perf_counter() - begin)
 
