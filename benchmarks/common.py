@@ -89,6 +89,26 @@ def cpu_model() -> str:
     return platform.processor() or "unknown"
 
 
+def cpu_caches() -> list[dict[str, Any]]:
+    """The caches of the first CPU (level, type, size, CPUs sharing it), from sysfs.
+
+    The NumPy engine's cache-dependent choices (row blocks, the fused LAMM pass)
+    were measured against these sizes; an empty list where sysfs does not say.
+    """
+    caches = []
+    for index in sorted(Path("/sys/devices/system/cpu/cpu0/cache").glob("index*")):
+        try:
+            entry = {
+                name: (index / name).read_text().strip()
+                for name in ("level", "type", "size", "shared_cpu_list")
+            }
+        except OSError:
+            continue
+        entry["level"] = int(entry["level"])
+        caches.append(entry)
+    return caches
+
+
 def git_revision() -> str | None:
     try:
         return subprocess.run(
@@ -145,6 +165,8 @@ def environment() -> dict[str, Any]:
         "python": platform.python_version(),
         "cpu": cpu_model(),
         "cpu_count": os.cpu_count(),
+        "cpu_affinity": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
+        "cpu_caches": cpu_caches(),
         "blas": blas_info(),
         "gpu": gpu_info(),
         "packages": package_versions(
