@@ -10,6 +10,7 @@
 #   bash benchmarks/device_pending.sh wide    # grid kernels of wide designs, against the peer
 #   bash benchmarks/device_pending.sh sweep   # issue 16's judged sweep (all engines, auto, cold)
 #   bash benchmarks/device_pending.sh numpy   # NumPy engine's threads on 16 cores vs the peer
+#   bash benchmarks/device_pending.sh gemv    # how the L1 streams' Z v / Zᵀ u should use 16 cores
 #   bash benchmarks/device_pending.sh scale   # issue 14: the cheap source, N = 1-8, ring locked or not
 #   bash benchmarks/device_pending.sh formats # issue 14: Parquet and Zarr, N = 2, 4, 8
 #   bash benchmarks/device_pending.sh plateau # issue 14: what holds the cheap source at 16-19 M rows/s
@@ -81,6 +82,17 @@ numpy)
     # the peer on its own BLAS threads. Every count gives the same bits.
     python benchmarks/numpy_engine.py --repeats 3 --threads auto 1 2 4 8 --opponent \
         --output "$out/numpy_engine-h200-row-blocks.json" 2>&1 | tail -17
+    ;;
+gemv)
+    # Issue 16 item 2 on 16 cores (behind the peer on three L1 cases): each product's time
+    # as one OpenBLAS call at 1-16 threads against the engine's row blocks at 1-16, whether
+    # OpenBLAS's threaded Z v keeps one thread's bits, and whole L1 streams with the fused
+    # pass on its rule and off; then the products with 8 spinning processes beside
+    # (a host whose other cores are busy). ~3 min.
+    python benchmarks/gemv_probe.py --streams 3 \
+        --output "$out/gemv_probe-16-cores.json" 2>&1 | tail -24
+    python benchmarks/gemv_probe.py --busy 8 --shapes reference wide \
+        --output "$out/gemv_probe-16-cores-busy8.json" 2>&1 | tail -13
     ;;
 scale)
     # The cheap source read with rh_dask.read_npy, chunks sent with sendfile: relay (the
