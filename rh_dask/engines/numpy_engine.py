@@ -221,6 +221,7 @@ class _Batch:
         self.fused = Z.dtype == np.float64 and Z.nbytes >= FUSED_MIN_BYTES
         self.block_rows = max(64, FUSED_BLOCK_BYTES // (p * dt.itemsize))
         self.tau = dt.type(config.tau)
+        self.neg_tau = -self.tau
         self.half_inv_h = dt.type(0.5 / schedule.bandwidth)
         self.total = schedule.total_weight
         self.inv_total = dt.type(1.0 / schedule.total_weight)
@@ -244,13 +245,17 @@ class _Batch:
     def matvec(self, v: np.ndarray, out: np.ndarray) -> np.ndarray:
         """``out = Z v``, a GEMV per row block, on :attr:`gemv_threads`."""
         Z = self.Z
-
-        def block(a: int, b: int) -> None:
-            np.matmul(Z[a:b], v, out=out[a:b])
-
         count = self.gemv_threads
         start = time.perf_counter()
-        run_tasks(self.blocks(len(out), block), count)
+        if count == 1:  # the blocks in turn, as run_tasks would, without its tasks
+            for a, b in row_blocks(len(out), Z.shape[1], Z.itemsize):
+                np.matmul(Z[a:b], v, out=out[a:b])
+        else:
+
+            def block(a: int, b: int) -> None:
+                np.matmul(Z[a:b], v, out=out[a:b])
+
+            run_tasks(self.blocks(len(out), block), count)
         if self.gemv_timer is not None:
             chooser, key = self.gemv_timer
             chooser.record(key, count, time.perf_counter() - start)
@@ -295,13 +300,13 @@ class _Batch:
         self._bounds()
 
     def _clip_residuals(self) -> None:
-        np.clip(self.r, -self.tau, self.tau, out=self.psi)
+        self.r.clip(self.neg_tau, self.tau, out=self.psi)  # the method: fewer Python calls
         self._bounds()
 
     def _bounds(self) -> None:
         psi = self.psi
         np.subtract(self.r, psi, out=self.over)
-        np.subtract(-self.tau, psi, out=self.lo)
+        np.subtract(self.neg_tau, psi, out=self.lo)
         np.subtract(self.tau, psi, out=self.hi)
 
     def trial_pass(self, steps: list[np.ndarray]) -> list[np.ndarray]:
@@ -346,7 +351,12 @@ class _Batch:
     def gradient(self, beta: np.ndarray, data: np.ndarray | None = None) -> np.ndarray:
         """g(β) = [−Zᵀ(w ⊙ ψ) + J Δ] / N − (W/N) λ_{b−1} s (``data``: Zᵀ(w ⊙ ψ) if known)."""
         if data is None:
-            data = _sum_in_order(run_tasks(self.data_tasks(), self.gemv_threads))
+            if self.gemv_threads == 1:  # the blocks in turn, as run_tasks would
+                u, Z = self._weighted_psi(), self.Z
+                blocks = row_blocks(len(u), Z.shape[1], Z.itemsize)
+                data = _sum_in_order([Z[a:b].T @ u[a:b] for a, b in blocks])
+            else:
+                data = _sum_in_order(run_tasks(self.data_tasks(), self.gemv_threads))
         g = self.J @ (beta - self.beta0) - data
         g *= self.inv_total
         if self.sign0 is not None:
@@ -355,8 +365,10 @@ class _Batch:
 
     def data_tasks(self) -> list[Callable[[], np.ndarray]]:
         """Tasks of the data term Zᵀ(w ⊙ ψ) at the evaluated r."""
-        wpsi = self.psi if self.w is None else np.multiply(self.w, self.psi, out=self.t1)
-        return self.rmatvec_tasks(wpsi)
+        return self.rmatvec_tasks(self._weighted_psi())
+
+    def _weighted_psi(self) -> np.ndarray:
+        return self.psi if self.w is None else np.multiply(self.w, self.psi, out=self.t1)
 
     def gradient_and_gram(self, beta: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """:meth:`gradient` and :meth:`gram` at the evaluated r, their blocks run together."""
@@ -438,7 +450,7 @@ class _Batch:
         else:
             np.multiply(zdir, scale, out=dp)
             dp += self.over
-        np.clip(dp, self.lo, self.hi, out=u)
+        dp.clip(self.lo, self.hi, out=u)
         np.multiply(u, 0.5, out=self.kappa)  # κ is not needed again before gram()
         np.subtract(dp, self.kappa, out=dp)
         return self.weighted_sum(np.multiply(u, dp, out=u))
@@ -702,6 +714,11 @@ def _calibrate_gemv(batch: _Batch, shape: tuple[Any, ...], counts: tuple[int, ..
     chooser.add_calibration(shape, time.perf_counter() - begin)
 
 
+def _norm(x: np.ndarray) -> float:
+    """‖x‖₂ as ``np.linalg.norm`` computes it for a vector (√(x·x)), without its checks."""
+    return float(np.sqrt(x.dot(x)))
+
+
 def _sum_in_order(parts: list[np.ndarray]) -> np.ndarray:
     """The row blocks' partial products added in block order (into the first)."""
     total = parts[0]
@@ -751,9 +768,9 @@ def _solve_newton(
         if not accepted:
             break
         new = beta - beta.dtype.type(t) * D
-        step = float(np.linalg.norm(new - beta))
+        step = _norm(new - beta)
         beta = new
-        if step_converged(step, float(np.linalg.norm(beta)), cfg.tol):
+        if step_converged(step, _norm(beta), cfg.tol):
             converged = True
             break
         # r(β − tD) = r(β) + t Z D from the line search's Z D: no GEMV for the next
@@ -844,10 +861,10 @@ def _solve_lamm(
                 trial = candidate(phi)
         if not accepted:
             break
-        step = float(np.linalg.norm(trial.step))
+        step = _norm(trial.step)
         beta = trial.point
         phi = max(phi / 2.0, LAMM_MIN_PHI)
-        if step_converged(step, float(np.linalg.norm(beta)), cfg.tol):
+        if step_converged(step, _norm(beta), cfg.tol):
             converged = True
             break
         # r(β + e) = r(β) − Z e, with Z e from the accepted trial: no GEMV for the next

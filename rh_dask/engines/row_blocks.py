@@ -61,11 +61,18 @@ def row_blocks(rows: int, cols: int, itemsize: int) -> tuple[tuple[int, int], ..
     1 and :data:`MAX_BLOCKS`, of near-equal rows, with inner boundaries on
     multiples of :data:`ROW_ALIGN`.
     """
-    count = min(MAX_BLOCKS, rows * cols * itemsize // MIN_BLOCK_BYTES, rows // ROW_ALIGN)
-    count = max(1, count)
+    # Asked for at every product of every iteration: remembered per shape.
+    return _row_blocks(rows, cols, itemsize, MIN_BLOCK_BYTES, MAX_BLOCKS, ROW_ALIGN)
+
+
+@functools.lru_cache(maxsize=1024)
+def _row_blocks(
+    rows: int, cols: int, itemsize: int, min_bytes: int, max_blocks: int, align: int
+) -> tuple[tuple[int, int], ...]:
+    count = max(1, min(max_blocks, rows * cols * itemsize // min_bytes, rows // align))
     bounds = [0]
     for i in range(1, count):
-        bounds.append(rows * i // count // ROW_ALIGN * ROW_ALIGN)
+        bounds.append(rows * i // count // align * align)
     bounds.append(rows)
     return tuple(itertools.pairwise(bounds))
 
