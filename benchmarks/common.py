@@ -21,6 +21,8 @@ from typing import Any
 
 import numpy as np
 
+from rh_dask.engines.blas_threads import usable_cores
+
 #: The benchmark shapes of issue 3: name -> (rows, features, batch rows).
 SHAPES: dict[str, tuple[int, int, int]] = {
     "latency": (4_096, 16, 4_096),
@@ -165,7 +167,7 @@ def environment() -> dict[str, Any]:
         "python": platform.python_version(),
         "cpu": cpu_model(),
         "cpu_count": os.cpu_count(),
-        "cpu_affinity": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
+        "cpu_affinity": usable_cores(),
         "cpu_caches": cpu_caches(),
         "blas": blas_info(),
         "gpu": gpu_info(),

@@ -13,7 +13,7 @@ import functools
 import time
 import warnings
 from collections.abc import Callable
-from typing import Any, ClassVar, NamedTuple
+from typing import Any, ClassVar, NamedTuple, TypeVar
 
 import numpy as np
 import scipy.linalg
@@ -42,6 +42,8 @@ from .blas_threads import ProcessIdle, one_blas_thread, resolve_blas_threads
 from .row_blocks import row_blocks, run_tasks, thread_chooser, thread_counts
 
 __all__ = ["NumpyEngine", "solve_newton_system"]
+
+T = TypeVar("T")
 
 #: Z of at least this many bytes is streamed once per LAMM iteration in row blocks
 #: (measured on the dev box's 32 MiB L3: below it Z stays cached between GEMVs and
@@ -242,20 +244,24 @@ class _Batch:
         blocks = row_blocks(rows, self.Z.shape[1], self.Z.itemsize)
         return [functools.partial(fn, a, b) for a, b in blocks]
 
+    def over_blocks(self, rows: int, fn: Callable[[int, int], T], count: int) -> list[T]:
+        """``fn(start, stop)`` for each row block, results in block order, on ``count``
+        threads; on one, the blocks in turn as :func:`run_tasks` would take them, without
+        making tasks (an iteration's products on small batches are that cheap)."""
+        if count == 1:
+            return [fn(a, b) for a, b in row_blocks(rows, self.Z.shape[1], self.Z.itemsize)]
+        return run_tasks(self.blocks(rows, fn), count)
+
     def matvec(self, v: np.ndarray, out: np.ndarray) -> np.ndarray:
         """``out = Z v``, a GEMV per row block, on :attr:`gemv_threads`."""
         Z = self.Z
+
+        def block(a: int, b: int) -> None:
+            np.matmul(Z[a:b], v, out=out[a:b])
+
         count = self.gemv_threads
         start = time.perf_counter()
-        if count == 1:  # the blocks in turn, as run_tasks would, without its tasks
-            for a, b in row_blocks(len(out), Z.shape[1], Z.itemsize):
-                np.matmul(Z[a:b], v, out=out[a:b])
-        else:
-
-            def block(a: int, b: int) -> None:
-                np.matmul(Z[a:b], v, out=out[a:b])
-
-            run_tasks(self.blocks(len(out), block), count)
+        self.over_blocks(len(out), block, count)
         if self.gemv_timer is not None:
             chooser, key = self.gemv_timer
             chooser.record(key, count, time.perf_counter() - start)
@@ -263,8 +269,11 @@ class _Batch:
 
     def rmatvec_tasks(self, u: np.ndarray) -> list[Callable[[], np.ndarray]]:
         """Tasks of ``Zᵀ u``: a GEMV per row block (their sum in order is the product)."""
+        return self.blocks(len(u), self._rmatvec_block(u))
+
+    def _rmatvec_block(self, u: np.ndarray) -> Callable[[int, int], np.ndarray]:
         Z = self.Z
-        return self.blocks(len(u), lambda a, b: Z[a:b].T @ u[a:b])
+        return lambda a, b: Z[a:b].T @ u[a:b]
 
     def scaled_gram_tasks(
         self, factor: np.ndarray, scaled: np.ndarray
@@ -319,7 +328,7 @@ class _Batch:
         ``steps``); the return value is each step's data term Zᵀ(w ⊙ ψ), summed
         per row block of :meth:`blocks` and then in block order.
         """
-        Z, r, w, tau = self.Z, self.r, self.w, self.tau
+        Z, r, w, tau, neg_tau = self.Z, self.r, self.w, self.tau, self.neg_tau
         p = Z.shape[1]
         small = self.block_rows
 
@@ -334,7 +343,7 @@ class _Batch:
                     pj = self.cand_psi[j][start:stop]
                     np.matmul(zb, e, out=zd)
                     np.subtract(rb, zd, out=rj)
-                    np.clip(rj, -tau, tau, out=pj)
+                    np.clip(rj, neg_tau, tau, out=pj)
                     if w is not None:
                         pj = np.multiply(w[start:stop], pj, out=self.t2[start:stop])
                     data[j] += pj @ zb
@@ -351,12 +360,10 @@ class _Batch:
     def gradient(self, beta: np.ndarray, data: np.ndarray | None = None) -> np.ndarray:
         """g(β) = [−Zᵀ(w ⊙ ψ) + J Δ] / N − (W/N) λ_{b−1} s (``data``: Zᵀ(w ⊙ ψ) if known)."""
         if data is None:
-            if self.gemv_threads == 1:  # the blocks in turn, as run_tasks would
-                u, Z = self._weighted_psi(), self.Z
-                blocks = row_blocks(len(u), Z.shape[1], Z.itemsize)
-                data = _sum_in_order([Z[a:b].T @ u[a:b] for a, b in blocks])
-            else:
-                data = _sum_in_order(run_tasks(self.data_tasks(), self.gemv_threads))
+            u = self._weighted_psi()
+            data = _sum_in_order(
+                self.over_blocks(len(u), self._rmatvec_block(u), self.gemv_threads)
+            )
         g = self.J @ (beta - self.beta0) - data
         g *= self.inv_total
         if self.sign0 is not None:
