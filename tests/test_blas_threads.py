@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import dask.config
 import numpy as np
 import pytest
@@ -13,6 +15,7 @@ from rh_dask.engines import numpy_engine as numpy_engine_module
 from rh_dask.engines import row_blocks as row_blocks_module
 from rh_dask.engines.blas_threads import (
     blas_threads_in_force,
+    last_level_cache_bytes,
     one_blas_thread,
     resolve_blas_threads,
     usable_cores,
@@ -127,3 +130,35 @@ def test_one_blas_thread_holds_until_the_last_thread_leaves():
         thread.join(10)
         assert inside == [1]
         assert blas_threads_in_force() == before
+
+
+def _fake_cpu(root, cpu: int, caches: list[tuple[str, str]]) -> None:
+    for i, (kind, size) in enumerate(caches):
+        index = root / f"cpu{cpu}" / "cache" / f"index{i}"
+        index.mkdir(parents=True)
+        (index / "type").write_text(kind + "\n")
+        (index / "size").write_text(size + "\n")
+
+
+def test_the_last_level_cache_is_the_largest_data_cache_of_a_usable_core(tmp_path):
+    cpu = min(os.sched_getaffinity(0))
+    caches = [("Data", "48K"), ("Instruction", "4096K"), ("Unified", "2048K")]
+    _fake_cpu(tmp_path, cpu, [*caches, ("Unified", "300M")])
+    assert last_level_cache_bytes(tmp_path) == 300 << 20
+    fewer = tmp_path / "fewer"
+    _fake_cpu(fewer, cpu, caches)  # the instruction cache never counts
+    assert last_level_cache_bytes(fewer) == 2 << 20
+    assert last_level_cache_bytes(tmp_path / "absent") is None
+
+
+# The dev box's 32 MiB keeps the 20 MiB it was measured at; the 16-core host's 300 MiB
+# holds a reference float64 batch (24 MB); an unknown cache falls back to 20 MiB.
+@pytest.mark.parametrize(
+    ("cache", "fused_from"),
+    [(32 << 20, 20 << 20), (300 << 20, 0.625 * (300 << 20)), (None, 20 << 20)],
+)
+def test_the_fused_pass_starts_at_a_share_of_the_hosts_cache(monkeypatch, cache, fused_from):
+    monkeypatch.setattr(numpy_engine_module, "last_level_cache_bytes", lambda: cache)
+    assert numpy_engine_module._fused_min_bytes() == int(fused_from)
+    monkeypatch.setattr(numpy_engine_module, "FUSED_MIN_BYTES", 0)
+    assert numpy_engine_module._fused_min_bytes() == 0

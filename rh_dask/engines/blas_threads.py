@@ -1,4 +1,4 @@
-"""BLAS threads around the NumPy engine's calls, and the host's cores.
+"""BLAS threads around the NumPy engine's calls, and the host's cores and cache.
 
 ``rh-dask.numpy.blas-threads`` is ``"auto"`` or a count of the threads that
 run the engine's products (:mod:`rh_dask.engines.row_blocks`). Either way each
@@ -17,6 +17,7 @@ import os
 import threading
 import time
 from contextlib import AbstractContextManager
+from pathlib import Path
 from typing import Any
 
 from threadpoolctl import ThreadpoolController
@@ -27,6 +28,7 @@ __all__ = [
     "ProcessIdle",
     "blas_controller",
     "blas_threads_in_force",
+    "last_level_cache_bytes",
     "one_blas_thread",
     "resolve_blas_threads",
     "usable_cores",
@@ -45,6 +47,34 @@ def usable_cores() -> int:
         return len(os.sched_getaffinity(0))
     except (AttributeError, OSError):
         return os.cpu_count() or 1
+
+
+_SIZE_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+
+
+@functools.cache
+def last_level_cache_bytes(sysfs: Path = Path("/sys/devices/system/cpu")) -> int | None:
+    """Size of the largest data cache of this process's first usable core, from sysfs.
+
+    ``None`` where the OS does not say (not Linux, or a container without sysfs).
+    Read once per process (``sysfs``: the CPUs' directory, for tests).
+    """
+    try:
+        cpu = min(os.sched_getaffinity(0))
+    except (AttributeError, OSError, ValueError):
+        cpu = 0
+    sizes = []
+    for index in (sysfs / f"cpu{cpu}" / "cache").glob("index*"):
+        try:
+            if (index / "type").read_text().strip() == "Instruction":
+                continue
+            text = (index / "size").read_text().strip().upper()
+        except OSError:
+            continue
+        number = text.rstrip("KMG")
+        if number.isdigit():
+            sizes.append(int(number) * _SIZE_UNITS[text[len(number) :]])
+    return max(sizes) if sizes else None
 
 
 def resolve_blas_threads(setting: int | str) -> int | None:

@@ -38,17 +38,28 @@ from ..residuals import outlier_share, residual_scale
 from ..row_major import as_row_major
 from ..state import BatchDiagnostics, HuberState
 from ..validation import check_width
-from .blas_threads import ProcessIdle, one_blas_thread, resolve_blas_threads
+from .blas_threads import (
+    ProcessIdle,
+    last_level_cache_bytes,
+    one_blas_thread,
+    resolve_blas_threads,
+)
 from .row_blocks import row_blocks, run_tasks, thread_chooser, thread_counts
 
 __all__ = ["NumpyEngine", "solve_newton_system"]
 
 T = TypeVar("T")
 
-#: Z of at least this many bytes is streamed once per LAMM iteration in row blocks
-#: (measured on the dev box's 32 MiB L3: below it Z stays cached between GEMVs and
-#: blocks only add call overhead; above it the blocked pass halved the time).
-FUSED_MIN_BYTES = 20 << 20
+#: Z of at least this share of the host's last-level cache is streamed once per LAMM
+#: iteration in row blocks. On the dev box (32 MiB L3) the blocked pass halved the time
+#: above 20 MiB of Z and below it only added call overhead, as Z stayed cached between
+#: GEMVs; on a 16-core host with 300 MiB of L3, 24 MB batches of Z (reference, float64)
+#: took 1.3x longer fused than not (benchmarks/results/gemv_probe-h100-16-cores.json).
+FUSED_CACHE_SHARE = 0.625
+#: The threshold in bytes of Z where the host does not say its cache size.
+FUSED_FALLBACK_BYTES = 20 << 20
+#: A fixed threshold in bytes of Z in place of the cache's share (tests, probes).
+FUSED_MIN_BYTES: int | None = None
 #: Bytes of Z per row block of the fused pass (to stay in a core's L2 cache).
 FUSED_BLOCK_BYTES = 384 << 10
 #: The Gram gathers the rows with κ > 0 before its SYRK when the rows it drops,
@@ -174,6 +185,14 @@ class _Workspace:
         self.rows, self.cols = rows, p
 
 
+def _fused_min_bytes() -> int:
+    """Bytes of Z from which the LAMM trials take the fused pass on this host."""
+    if FUSED_MIN_BYTES is not None:
+        return FUSED_MIN_BYTES
+    cache = last_level_cache_bytes()
+    return FUSED_FALLBACK_BYTES if cache is None else int(FUSED_CACHE_SHARE * cache)
+
+
 class _Batch:
     """One batch's views into the workspace, and the contract's formulas on them."""
 
@@ -220,7 +239,7 @@ class _Batch:
         # float64 only: in float32 the blocked products' other rounding moves β's last
         # bits, which κ's steep ramp (width 2h) carries into J beyond the contract's float32
         # tolerance against the per-trial GEMVs (seen with numpy 1.26's OpenBLAS).
-        self.fused = Z.dtype == np.float64 and Z.nbytes >= FUSED_MIN_BYTES
+        self.fused = Z.dtype == np.float64 and Z.nbytes >= _fused_min_bytes()
         self.block_rows = max(64, FUSED_BLOCK_BYTES // (p * dt.itemsize))
         self.tau = dt.type(config.tau)
         self.neg_tau = -self.tau
