@@ -14,6 +14,7 @@ import math
 import os
 import warnings
 
+import dask.config
 import numpy as np
 import pytest
 
@@ -751,3 +752,11 @@ def test_check_finite_batch_names_the_array_and_skips_device_arrays():
     check_finite_batch(X, y)
     with pytest.raises(ValidationError, match=r"^y: Input y contains NaN"):
         check_finite_batch(X, np.array([1.0, np.nan, 2.0]))
+
+
+def test_calibration_off_in_dask_config_means_numpy_without_settings_passed():
+    host = Host(linear(0.0, 1.0), linear(0.0, 1e-9))
+    with dask.config.set({"rh-dask.engine.auto.calibrate": False}):
+        choice = calibrator(host).choose(HuberConfig(), 100_000, 90)
+    assert choice.engine == "numpy" and host.built == 0
+    assert "calibrate is off" in choice.reason

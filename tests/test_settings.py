@@ -243,3 +243,12 @@ def test_a_grid_without_settings_reads_its_concurrency_from_dask_config():
     with dask.config.set({"rh-dask.grid.concurrent": "sometimes"}):
         with pytest.raises(SettingError, match=r"rh-dask\.grid\.concurrent"):
             GridEngine([HuberConfig(tau=1.0), HuberConfig(tau=2.0)])
+
+
+def test_one_setting_is_read_and_checked_as_from_config_reads_it():
+    assert Settings.read("auto_calibrate") is Settings.from_config().auto_calibrate is True
+    with dask.config.set({"rh-dask.engine.auto.calibrate": "false"}):
+        assert Settings.read("auto_calibrate") is False
+    with dask.config.set({"rh-dask.engine.auto.calibrate": "maybe"}):
+        with pytest.raises(SettingError, match=r"rh-dask\.engine\.auto\.calibrate"):
+            Settings.read("auto_calibrate")

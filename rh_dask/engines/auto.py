@@ -490,11 +490,13 @@ class AutoCalibrator:
             return AutoChoice("gpu", f"device={device!r} names a CUDA device")
         if device is not None:
             return AutoChoice("numpy", f"device={device!r} is not a CUDA device")
-        if settings is None:
-            from ..settings import Settings
+        from ..settings import Settings
 
-            settings = Settings.from_config()
-        if not settings.auto_calibrate:
+        # Every stream asks; only a calibration needs more than this one setting.
+        calibrate = (
+            Settings.read("auto_calibrate") if settings is None else settings.auto_calibrate
+        )
+        if not calibrate:
             return AutoChoice("numpy", "rh-dask.engine.auto.calibrate is off")
         key = _shape_class(config, n_rows, n_features)
         signature = self._signature(device)
@@ -508,6 +510,8 @@ class AutoCalibrator:
             hit = self._cache.get(key)
             if hit is not None:
                 return _replace_cached(hit)
+            if settings is None:
+                settings = Settings.from_config()
             choice = self._calibrate(config, n_rows, n_features, device, settings)
             self._cache[key] = choice
             return choice
