@@ -8,7 +8,7 @@ puts the same step graph's work into the body of a CUDA graph WHILE node
 thread that sets the node's condition to "the solve is still open": not
 stopped, not refused, and no singular factor for the host to handle. One
 launch and one synchronisation then cover every iteration up to the end of
-the solve, or up to a singular factor, whose LU/SVD fallback runs on the
+the solve, or up to a singular factor, whose LU/minimum-norm fallback runs on the
 host as before; the loop is launched again after it when the solve goes on.
 
 The body's kernels, library calls and their order are those of the host
