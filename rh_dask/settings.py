@@ -456,9 +456,7 @@ class Settings:
         SettingError
             Naming the first setting whose value it cannot take.
         """
-        return cls(
-            **{name: parse(key, dask.config.get(key)) for name, (key, parse) in _KEYS.items()}
-        )
+        return cls(**{name: cls.read(name) for name in _KEYS})
 
     @staticmethod
     def read(name: str) -> Any:

@@ -80,7 +80,8 @@ GEMV_CALIBRATION_ROUNDS = 3
 
 
 def solve_newton_system(hessian: np.ndarray, gradient: np.ndarray) -> np.ndarray:
-    """D = H⁻¹ g, see :func:`_solve_ladder`, with every BLAS pool on one thread.
+    """D = H⁻¹ g for a symmetric H, see :func:`_solve_ladder`, with every BLAS pool on
+    one thread.
 
     The p×p system is far too small to gain from threads, and NumPy and SciPy
     may each bundle their own OpenBLAS: waking SciPy's pool here would leave
@@ -148,11 +149,11 @@ def _solve_ladder(hessian: np.ndarray, gradient: np.ndarray) -> np.ndarray:
         if np.all(np.isfinite(direction)):
             return direction
     # The minimum-norm solution through the symmetric eigendecomposition H = V Λ Vᵀ
-    # (H is symmetric: a Gram plus J): its singular values are |λ|, so H⁺ = V Λ⁺ Vᵀ with
-    # the SVD's cut-off on |λ|, as the GPU engine solves it. LAPACK's syevd took 4.7x
-    # less than NumPy's SVD at p = 1025 in float32 and 2.5x in float64 (dev box, one
-    # BLAS thread: 65 against 304 ms, 101 against 257), and a float32 wide stream's
-    # first batch may take this rung in most of its iterations.
+    # (H is a Gram plus J; its lower triangle is read): its singular values are |λ|,
+    # so H⁺ = V Λ⁺ Vᵀ with the SVD's cut-off on |λ|, as the GPU engine solves it.
+    # LAPACK's syevd took 4.7x less than NumPy's SVD at p = 1025 in float32 and 2.5x
+    # in float64 (dev box, one BLAS thread: 65 against 304 ms, 101 against 257), and
+    # a float32 wide stream's first batch may take this rung in most iterations.
     lam, vecs = scipy.linalg.eigh(hessian, driver="evd", check_finite=False)
     size = np.abs(lam)
     cutoff = rtol * (float(size.max()) if size.size else 0.0)
