@@ -9,6 +9,7 @@
 #   bash benchmarks/device_pending.sh loop    # Newton device loop and blocked Cholesky
 #   bash benchmarks/device_pending.sh wide    # grid kernels of wide designs, against the peer
 #   bash benchmarks/device_pending.sh sweep   # issue 16's judged sweep (all engines, auto, cold)
+#   bash benchmarks/device_pending.sh sweep-wide # the same sweep's wide designs, p = 512-2048
 #   bash benchmarks/device_pending.sh numpy   # NumPy engine's threads on 16 cores vs the peer
 #   bash benchmarks/device_pending.sh gemv    # how the L1 streams' Z v / Zᵀ u should use 16 cores
 #   bash benchmarks/device_pending.sh scale   # issue 14: the cheap source, N = 1-8, ring locked or not
@@ -70,11 +71,19 @@ wide)
     python -m pytest -q -m gpu tests/test_gpu_engine.py -k "wide or sixteen" 2>&1 | tail -5
     ;;
 sweep)
-    # Every case of the issue's table and the wide shapes: the NumPy engine against the
-    # peer's (item 2, 16 cores), the cold lifecycle of every engine (item 3), engine="auto"'s
-    # choice and its time against the faster engine (item 1, auto_over_best <= 1.1).
-    python benchmarks/shape_sweep.py --quick --wide \
-        --output "$out/shape_sweep-h200.json" 2>&1 | tail -30
+    # Every case of the issue's table: the NumPy engine against the peer's (item 2, 16
+    # cores), the cold lifecycle of every engine (item 3), engine="auto"'s choice and its
+    # time against the faster engine (item 1, auto_over_best <= 1.1). The wide shapes are
+    # the part sweep-wide: both in one call passed its 10 minutes during wide2048 on an
+    # H100 machine (shape_sweep-h100-quick-wide.json).
+    python benchmarks/shape_sweep.py --quick \
+        --output "$out/shape_sweep-h200.json" 2>&1 | tail -18
+    ;;
+sweep-wide)
+    # Issue 16's wide designs, every engine (item 5: 2x the peer's CuPy backend at
+    # wide2048 float64; items 1 and 3 there too).
+    timeout 580 python benchmarks/shape_sweep.py --quick --shapes wide512 wide1024 wide2048 \
+        --output "$out/shape_sweep-h200-wide.json" 2>&1 | tail -14
     ;;
 numpy)
     # The NumPy engine on 16 cores: "auto" (threads measured per batch class) against
