@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from rh_dask.engines.blas_threads import usable_cores
+from rh_dask.engines.blas_threads import cpu_caches, usable_cores
 
 #: The benchmark shapes of issue 3: name -> (rows, features, batch rows).
 SHAPES: dict[str, tuple[int, int, int]] = {
@@ -91,26 +91,6 @@ def cpu_model() -> str:
     return platform.processor() or "unknown"
 
 
-def cpu_caches() -> list[dict[str, Any]]:
-    """The caches of the first CPU (level, type, size, CPUs sharing it), from sysfs.
-
-    The NumPy engine's cache-dependent choices (row blocks, the fused LAMM pass)
-    were measured against these sizes; an empty list where sysfs does not say.
-    """
-    caches = []
-    for index in sorted(Path("/sys/devices/system/cpu/cpu0/cache").glob("index*")):
-        try:
-            entry = {
-                name: (index / name).read_text().strip()
-                for name in ("level", "type", "size", "shared_cpu_list")
-            }
-        except OSError:
-            continue
-        entry["level"] = int(entry["level"])
-        caches.append(entry)
-    return caches
-
-
 def git_revision() -> str | None:
     try:
         return subprocess.run(
@@ -168,7 +148,9 @@ def environment() -> dict[str, Any]:
         "cpu": cpu_model(),
         "cpu_count": os.cpu_count(),
         "cpu_affinity": usable_cores(),
-        "cpu_caches": cpu_caches(),
+        # The first CPU's caches: the NumPy engine's cache-dependent choices (row
+        # blocks, the fused LAMM pass) were measured against these sizes.
+        "cpu_caches": cpu_caches(0),
         "blas": blas_info(),
         "gpu": gpu_info(),
         "packages": package_versions(

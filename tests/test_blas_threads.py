@@ -136,8 +136,10 @@ def _fake_cpu(root, cpu: int, caches: list[tuple[str, str]]) -> None:
     for i, (kind, size) in enumerate(caches):
         index = root / f"cpu{cpu}" / "cache" / f"index{i}"
         index.mkdir(parents=True)
+        (index / "level").write_text(f"{min(i + 1, 3)}\n")
         (index / "type").write_text(kind + "\n")
         (index / "size").write_text(size + "\n")
+        (index / "shared_cpu_list").write_text(f"{cpu}\n")
 
 
 def test_the_last_level_cache_is_the_largest_data_cache_of_a_usable_core(tmp_path):

@@ -28,6 +28,7 @@ __all__ = [
     "ProcessIdle",
     "blas_controller",
     "blas_threads_in_force",
+    "cpu_caches",
     "last_level_cache_bytes",
     "one_blas_thread",
     "resolve_blas_threads",
@@ -50,29 +51,48 @@ def usable_cores() -> int:
 
 
 _SIZE_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+#: Where Linux describes the CPUs.
+SYSFS_CPUS = Path("/sys/devices/system/cpu")
+
+
+def cpu_caches(cpu: int | None = None, sysfs: Path = SYSFS_CPUS) -> list[dict[str, Any]]:
+    """The caches of ``cpu`` (default: this process's first usable core), from sysfs.
+
+    Each as its ``level`` (int), ``type``, ``size`` and ``shared_cpu_list`` as
+    sysfs writes them (``"32768K"``, ``"0-1"``); an empty list where the OS
+    does not say (not Linux, or a container without sysfs).
+    """
+    if cpu is None:
+        try:
+            cpu = min(os.sched_getaffinity(0))
+        except (AttributeError, OSError, ValueError):
+            cpu = 0
+    caches = []
+    for index in sorted((sysfs / f"cpu{cpu}" / "cache").glob("index*")):
+        try:
+            entry: dict[str, Any] = {
+                name: (index / name).read_text().strip()
+                for name in ("level", "type", "size", "shared_cpu_list")
+            }
+        except OSError:
+            continue
+        entry["level"] = int(entry["level"])
+        caches.append(entry)
+    return caches
 
 
 @functools.cache
-def last_level_cache_bytes(sysfs: Path = Path("/sys/devices/system/cpu")) -> int | None:
-    """Size of the largest data cache of this process's first usable core, from sysfs.
+def last_level_cache_bytes(sysfs: Path = SYSFS_CPUS) -> int | None:
+    """Size of the largest data cache of this process's first usable core (:func:`cpu_caches`).
 
-    ``None`` where the OS does not say (not Linux, or a container without sysfs).
-    Read once per process (``sysfs``: the CPUs' directory, for tests).
+    ``None`` where the OS does not say. Read once per process (``sysfs``: the
+    CPUs' directory, for tests).
     """
-    try:
-        cpu = min(os.sched_getaffinity(0))
-    except (AttributeError, OSError, ValueError):
-        cpu = 0
     sizes = []
-    for index in (sysfs / f"cpu{cpu}" / "cache").glob("index*"):
-        try:
-            if (index / "type").read_text().strip() == "Instruction":
-                continue
-            text = (index / "size").read_text().strip().upper()
-        except OSError:
-            continue
+    for cache in cpu_caches(sysfs=sysfs):
+        text = cache["size"].upper()
         number = text.rstrip("KMG")
-        if number.isdigit():
+        if cache["type"] != "Instruction" and number.isdigit():
             sizes.append(int(number) * _SIZE_UNITS[text[len(number) :]])
     return max(sizes) if sizes else None
 

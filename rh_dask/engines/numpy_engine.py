@@ -294,11 +294,8 @@ class _Batch:
             chooser.record(key, count, time.perf_counter() - start)
         return out
 
-    def rmatvec_tasks(self, u: np.ndarray) -> list[Callable[[], np.ndarray]]:
-        """Tasks of ``Zᵀ u``: a GEMV per row block (their sum in order is the product)."""
-        return self.blocks(len(u), self._rmatvec_block(u))
-
     def _rmatvec_block(self, u: np.ndarray) -> Callable[[int, int], np.ndarray]:
+        """``Zᵀ u`` over one row block, a GEMV (the blocks' sum in order is the product)."""
         Z = self.Z
         return lambda a, b: Z[a:b].T @ u[a:b]
 
@@ -378,7 +375,7 @@ class _Batch:
 
         # On one thread at any count: the small blocks' Python steps hold the GIL, and
         # on two threads the pass took 1.6x its time on one (dev box).
-        parts = run_tasks(self.blocks(len(r), block), 1)
+        parts = self.over_blocks(len(r), block, 1)
         return [_sum_in_order([part[j] for part in parts]) for j in range(len(steps))]
 
     def weighted_sum(self, v: np.ndarray) -> float:
@@ -399,7 +396,8 @@ class _Batch:
 
     def data_tasks(self) -> list[Callable[[], np.ndarray]]:
         """Tasks of the data term Zᵀ(w ⊙ ψ) at the evaluated r."""
-        return self.rmatvec_tasks(self._weighted_psi())
+        u = self._weighted_psi()
+        return self.blocks(len(u), self._rmatvec_block(u))
 
     def _weighted_psi(self) -> np.ndarray:
         return self.psi if self.w is None else np.multiply(self.w, self.psi, out=self.t1)
