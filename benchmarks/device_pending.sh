@@ -7,6 +7,7 @@
 #   bash benchmarks/device_pending.sh tests   # every GPU test, new ones included   (~4 min)
 #   bash benchmarks/device_pending.sh pool    # pinned pool: fresh estimators, host vs device
 #   bash benchmarks/device_pending.sh loop    # Newton device loop and blocked Cholesky
+#   bash benchmarks/device_pending.sh columns # the register-column Cholesky (issue 16 item 4)
 #   bash benchmarks/device_pending.sh wide    # grid kernels of wide designs, against the peer
 #   bash benchmarks/device_pending.sh sweep   # issue 16's judged sweep (all engines, auto, cold)
 #   bash benchmarks/device_pending.sh sweep-wide # the same sweep's wide designs, p = 512-2048
@@ -54,6 +55,21 @@ loop)
         --penalties none --engines rh_gpu_device rh_gpu_hostloop rh_gpu_blocked \
         rh_gpu_cusolver --repeats 20 --no-cold --gpu-option device_loop=auto \
         --output "$out/shape_sweep-loop.json" 2>&1 | tail -8
+    ;;
+columns)
+    # cholesky="columns": its tests (bit identity of the device loop, the reference and
+    # cuSOLVER within the contract's tolerance at p = 17-128, singular factors, refused
+    # batches), then ms per reference float32 batch with each factorisation and loop
+    # (target 0.55), then the three Newton shapes per factorisation, host loop.
+    python -m pytest -q -m gpu -rfs tests/test_gpu_device_loop.py \
+        tests/test_gpu_engine.py -k "device_loop or loop or cholesky or refused or columns or singular" \
+        2>&1 | tail -15
+    python benchmarks/device_loop_check.py --output "$out/device_loop_check-columns.json" \
+        2>&1 | grep -E "ms_per_batch|best|within|unavailable" | head -30
+    python benchmarks/shape_sweep.py --shapes latency reference streaming \
+        --dtypes float32 float64 --penalties none --engines rh_gpu_device rh_gpu_cusolver \
+        rh_gpu_kernel rh_gpu_blocked rh_gpu_columns --repeats 20 --no-cold \
+        --output "$out/shape_sweep-columns.json" 2>&1 | tail -8
     ;;
 wide)
     # Per-op profile (the iteration near GEMM + potrf, top ops GEMM/potrf, not rh_wide_*),

@@ -8,6 +8,8 @@ whole stream (empty state → last batch) is timed through:
 * ``rh_gpu_eager``    the same without CUDA graphs (do graphs pay?)
 * ``rh_gpu_blocked``  the same with ``cholesky="blocked"`` (the one-block blocked factorisation;
                       unpenalised only)
+* ``rh_gpu_columns``  the same with ``cholesky="columns"`` (the factor's columns in registers,
+                      p ≤ 128; unpenalised only)
 * ``rh_gpu_hostloop`` the same with the Newton iterations driven by the host, one
                       synchronisation per iteration (``device_loop="off"``; unpenalised
                       only: does the device loop pay? It differs from ``rh_gpu_device`` only
@@ -230,10 +232,10 @@ def rh_gpu_steady(config, batches, runner, mode, gpu_options=None):
         options["cholesky"] = "kernel"
     elif mode == "hostloop":
         options["device_loop"] = "off"
-    elif mode == "blocked":
-        options["cholesky"] = "blocked"
+    elif mode in ("blocked", "columns"):
+        options["cholesky"] = mode
     engine = GpuEngine(config, **options)
-    if mode in ("device", "eager", "cusolver", "kernel", "hostloop", "blocked"):
+    if mode in ("device", "eager", "cusolver", "kernel", "hostloop", "blocked", "columns"):
         data = [(cp.asarray(X), cp.asarray(y)) for X, y in batches]
     elif mode == "pinned":
         data = []
@@ -403,8 +405,12 @@ def sweep(args: argparse.Namespace) -> dict[str, Any]:
                     ("rh_gpu_kernel", "kernel"),
                     ("rh_gpu_hostloop", "hostloop"),
                     ("rh_gpu_blocked", "blocked"),
+                    ("rh_gpu_columns", "columns"),
                 ):
-                    if mode in ("cusolver", "kernel", "hostloop", "blocked") and config.penalised:
+                    if (
+                        mode in ("cusolver", "kernel", "hostloop", "blocked", "columns")
+                        and config.penalised
+                    ):
                         continue  # the Cholesky path only matters to Newton
                     record(
                         name, "steady", rh_gpu_steady, *common, gpu_runner, mode, args.gpu_option
@@ -610,6 +616,10 @@ def derive(
     cus, ker = _median(case, "rh_gpu_cusolver"), _median(case, "rh_gpu_kernel")
     if cus is not None and ker is not None:
         out["fused_cholesky_speedup_over_cusolver"] = cus / ker
+    for name in ("rh_gpu_cusolver", "rh_gpu_kernel", "rh_gpu_blocked", "rh_gpu_columns"):
+        median = _median(case, name)
+        if median is not None:
+            out[f"{name}_ms_per_batch"] = median * 1e3 / nb
     return out
 
 
@@ -772,6 +782,7 @@ ALL_ENGINES = (
     "rh_gpu_kernel",
     "rh_gpu_hostloop",
     "rh_gpu_blocked",
+    "rh_gpu_columns",
     "rh_gpu_host",
     "rh_gpu_host_serial",
     "rh_gpu_pinned",

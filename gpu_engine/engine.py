@@ -86,7 +86,7 @@ class GpuEngine:
     copy_threads : int, default=4
         Threads that copy host (NumPy) batches into pinned staging memory
         (the process's, shared by the engines asking for as many).
-    cholesky : {"auto", "kernel", "cusolver"}, default="auto"
+    cholesky : {"auto", "kernel", "blocked", "columns", "cusolver"}, default="auto"
         How the Newton system is factorised. ``"cusolver"``: cuSOLVER
         ``potrf``/``potrs`` on a preallocated workspace. ``"kernel"``: the
         engine's fused one-block kernel (assembly, Cholesky and both
@@ -95,7 +95,10 @@ class GpuEngine:
         blocked factorisation (32-column panels, three block barriers per
         panel instead of one per column), meant for p of about 33-128;
         on an H200 it matched the reference but stayed slower than cuSOLVER
-        at p = 91. ``"auto"`` takes the kernel when it
+        at p = 91. ``"columns"``: one block in which each warp holds its
+        columns of the factor in registers and the right-hand side rides
+        along as an extra row (one block barrier per column, the forward
+        solve made by the factorisation), for p ≤ 128. ``"auto"`` takes the kernel when it
         fits and cuSOLVER otherwise (see docs/gpu-engine.md for the
         measurements).
         The LU and minimum-norm fallbacks always use cuSOLVER.
@@ -197,7 +200,9 @@ class GpuEngine:
         hold_gil = _check_flag("hold_gil", hold_gil)
         if cholesky not in CHOLESKY_MODES:
             raise ValidationError(
-                f"cholesky must be 'auto', 'kernel', 'blocked' or 'cusolver', got {cholesky!r}"
+                "cholesky must be one of "
+                + ", ".join(repr(mode) for mode in CHOLESKY_MODES)
+                + f", got {cholesky!r}"
             )
         if not isinstance(device_loop, str) or device_loop not in DEVICE_LOOP_MODES:
             raise ValidationError(

@@ -44,7 +44,15 @@ from .parts import DeviceParts
 FUSED_SOLVE_MAX_P = 32
 
 #: The ways ``GpuEngine(cholesky=...)`` may factorise the Newton system.
-CHOLESKY_MODES = ("auto", "kernel", "blocked", "cusolver")
+CHOLESKY_MODES = ("auto", "kernel", "blocked", "columns", "cusolver")
+
+#: ``cholesky="columns"``: the register-column kernels, each with the largest p
+#: it holds (its warps' registers hold columns 0..p−1 and rows 0..p).
+COLUMNS_KERNELS = (
+    (32, "rh_newton_solve_columns_s"),
+    (96, "rh_newton_solve_columns_m"),
+    (128, "rh_newton_solve_columns_l"),
+)
 
 
 class NewtonDriver:
@@ -70,11 +78,10 @@ class NewtonDriver:
         self._parts = parts
         self._cholesky = cholesky
         self._loop = loop
-        #: The one-block kernel taken when the system fits: the blocked
-        #: factorisation only where asked for (slower than cuSOLVER at p = 91, H200).
-        self._solve_kernel = (
-            "rh_newton_solve_blocked" if cholesky == "blocked" else "rh_newton_solve"
-        )
+        #: The one-block kernel of the current batch's p and its dynamic shared
+        #: bytes (set by :meth:`_fused_solve_fits`).
+        self._solve_kernel = "rh_newton_solve"
+        self._solve_shared = 0
         #: Whether the last solve used the fused one-block kernel.
         self.small_solve = False
         #: Whether the last solve ran as a device loop.
@@ -217,19 +224,32 @@ class NewtonDriver:
             self._parts.ws,
             ("rh_newton_eval", "rh_newton_search", "rh_commit_eval"),
         )
-        if self._cholesky == "cusolver":
+        mode = self._cholesky
+        if mode == "cusolver":
             return False
-        if self._cholesky == "auto" and p > FUSED_SOLVE_MAX_P:
-            return False
-        shared = (p * p + 2 * p) * self._parts.ws.item
-        fits = shared + 8 * 1024 <= self._parts.kernels.max_shared and p <= 32 * layout.SOLVE_ROWS
-        if not fits and self._cholesky in ("kernel", "blocked"):
+        if mode == "auto":
+            if p > FUSED_SOLVE_MAX_P:
+                return False
+            mode = "kernel"
+        item = self._parts.ws.item
+        if mode == "columns":
+            name = next((kernel for top, kernel in COLUMNS_KERNELS if p <= top), None)
+            shared, max_p = (p * p + 4 * p + 2) * item, COLUMNS_KERNELS[-1][0]
+        else:
+            name = "rh_newton_solve_blocked" if mode == "blocked" else "rh_newton_solve"
+            shared, max_p = (p * p + 2 * p) * item, 32 * layout.SOLVE_ROWS
+        fits = (
+            name is not None and p <= max_p and shared + 8 * 1024 <= self._parts.kernels.max_shared
+        )
+        if not fits and self._cholesky != "auto":
             raise ValidationError(
-                f"cholesky={self._cholesky!r} needs the {p}×{p} system in shared memory "
-                f"({shared} bytes, the device allows {self._parts.kernels.max_shared})"
+                f"cholesky={self._cholesky!r} solves systems of p ≤ {max_p} in shared "
+                f"memory; this one has p = {p} ({shared} bytes, the device allows "
+                f"{self._parts.kernels.max_shared})"
             )
         if fits:
-            self._parts.kernels.allow_shared(self._solve_kernel, shared)
+            self._solve_kernel, self._solve_shared = name, shared
+            self._parts.kernels.allow_shared(name, shared)
         return fits
 
     def _eval_and_gram(self, n: int) -> None:
@@ -248,7 +268,7 @@ class NewtonDriver:
                 1,
                 layout.SMALL_THREADS,
                 (ws.C, ws.J, ws.beta_work, ws.beta, p, ws.ctl, ws.H, ws.Hs, ws.g, ws.D),
-                (p * p + 2 * p) * ws.item,
+                self._solve_shared,
             )
         elif ws.wide:
             # J(β − β0) for g, then H's tiles and g over the grid

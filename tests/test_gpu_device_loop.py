@@ -481,7 +481,7 @@ def _assert_bit_identical(config, batches, weights=None, **options):
 
 @gpu
 @needs_device
-@pytest.mark.parametrize("cholesky", ["auto", "kernel", "blocked", "cusolver"])
+@pytest.mark.parametrize("cholesky", ["auto", "kernel", "blocked", "columns", "cusolver"])
 @pytest.mark.parametrize("dtype", ["float64", "float32"])
 @pytest.mark.parametrize(
     "features, sizes",
@@ -489,8 +489,8 @@ def _assert_bit_identical(config, batches, weights=None, **options):
     ids=["latency", "reference", "streaming", "wide"],
 )
 def test_device_loop_gives_the_host_loops_bits(features, sizes, dtype, cholesky):
-    if cholesky in ("kernel", "blocked") and features > 200:
-        pytest.skip("the fused kernel holds the system in shared memory")
+    if cholesky in ("kernel", "blocked", "columns") and features > 200:
+        pytest.skip("the one-block kernels hold the system in shared memory")
     config, batches = HuberConfig(dtype=dtype), _stream(features, sizes, dtype, 3)
     if _solves_with_cusolver(config, batches[0], cholesky):
         _assert_cusolver_keeps_the_host_loop(config, batches, cholesky)
@@ -534,11 +534,14 @@ def test_weighted_batches_without_intercept_give_the_same_bits(dtype):
 
 @gpu
 @needs_device
-@pytest.mark.parametrize("cholesky", ["kernel", "blocked", "cusolver"])
+@pytest.mark.parametrize("cholesky", ["kernel", "blocked", "columns", "cusolver"])
 @pytest.mark.parametrize("dtype", ["float64", "float32"])
-def test_singular_factors_exit_to_the_host_and_give_the_same_bits(dtype, cholesky):
+@pytest.mark.parametrize("features", [6, 70])
+def test_singular_factors_exit_to_the_host_and_give_the_same_bits(features, dtype, cholesky):
+    # the duplicate is the last feature: the factor fails there, after every warp
+    # of the one-block kernels has factored columns
     batches = []
-    for X, y in _stream(6, [800, 800, 500], dtype, 11):
+    for X, y in _stream(features, [800, 800, 500], dtype, 11):
         batches.append((np.ascontiguousarray(np.column_stack([X, X[:, 2]])), y))
     config = HuberConfig(ridge=0.0, dtype=dtype)
     if cholesky == "cusolver":
@@ -604,7 +607,9 @@ def test_auto_uses_the_device_loop_and_graphs_off_the_host_loop():
 
 @gpu
 @needs_device
-@pytest.mark.parametrize("features, cholesky", [(16, "auto"), (90, "kernel"), (90, "blocked")])
+@pytest.mark.parametrize(
+    "features, cholesky", [(16, "auto"), (90, "kernel"), (90, "blocked"), (90, "columns")]
+)
 def test_the_loop_body_holds_kernels_and_cublas_has_the_loops_workspace(features, cholesky):
     """What the conditional body may hold, and the cuBLAS workspace that keeps it so."""
     engine = gpu_engine.GpuEngine(HuberConfig(), device_loop="on", cholesky=cholesky)
@@ -655,15 +660,17 @@ TOL = {"float64": (1e-8, 2e-9), "float32": (3e-4, 3e-5)}
 
 @gpu
 @needs_device
+@pytest.mark.parametrize("cholesky", ["blocked", "columns"])
 @pytest.mark.parametrize("dtype", ["float64", "float32"])
-@pytest.mark.parametrize("features", [16, 40, 90, 127])
-def test_the_blocked_cholesky_matches_the_reference_and_cusolver(features, dtype):
-    """``cholesky="blocked"``: one to four 32-column panels, a partial last one."""
+@pytest.mark.parametrize("features", [16, 31, 40, 90, 95, 96, 127])
+def test_the_one_block_cholesky_matches_the_reference_and_cusolver(features, dtype, cholesky):
+    """``"blocked"``: one to four 32-column panels, a partial last one; ``"columns"``:
+    each of its three kernels, at and below its largest p (p = features + 1)."""
     from rh_dask import NumpyEngine
 
     batches = _stream(features, [20000, 20000, 700], dtype, 12)
     config = HuberConfig(dtype=dtype)
-    blocked = gpu_engine.GpuEngine(config, cholesky="blocked")
+    blocked = gpu_engine.GpuEngine(config, cholesky=cholesky)
     cusolver = gpu_engine.GpuEngine(config, cholesky="cusolver")
     ref = NumpyEngine(config)
     rtol, atol = TOL[dtype]
@@ -680,3 +687,15 @@ def test_the_blocked_cholesky_matches_the_reference_and_cusolver(features, dtype
         assert abs(d_blocked.objective - d_ref.objective) <= atol + rtol * abs(d_ref.objective)
     blocked.close()
     cusolver.close()
+
+
+@gpu
+@needs_device
+def test_the_columns_kernels_refuse_systems_past_their_size():
+    engine = gpu_engine.GpuEngine(HuberConfig(), cholesky="columns")
+    ((X, y),) = _stream(128, [2000], "float64", 13)  # p = 129 with the intercept
+    with pytest.raises(ValidationError, match="p ≤ 128"):
+        engine.partial_fit(cp.asarray(X), cp.asarray(y))
+    with pytest.raises(NotFittedError):
+        engine.export_state()
+    engine.close()

@@ -652,12 +652,13 @@ rh_wide_lamm_symv(const T* __restrict__ J, long long p, long long ldp,
 }
 
 // ---------------------------------------------------------------------------
-// The end of both one-block Newton solves, once A holds L (column-major, its
+// The end of the one-block Newton solves, once A holds L (column-major, its
 // diagonal also in lcol) and vec the right-hand side: unless the factorisation
-// failed, L y = g and then Lᵀ x = y by one warp with the right-hand side in
-// registers; then L goes to H, the solution to D and the factor's status to ctl.
+// failed, L y = g (FORWARD; otherwise vec already holds y) and then Lᵀ x = y
+// by one warp with the right-hand side in registers; then L goes to H, the
+// solution to D and the factor's status to ctl.
 // ---------------------------------------------------------------------------
-template <typename T>
+template <bool FORWARD, typename T>
 __device__ __forceinline__ void solve_factored(int q, const T* A, T* vec, const T* lcol,
                                                int fail, int lane, int warp,
                                                double* __restrict__ ctl, T* __restrict__ H,
@@ -671,7 +672,7 @@ __device__ __forceinline__ void solve_factored(int q, const T* A, T* vec, const 
       const int i = lane + 32 * m;
       vr[m] = i < q ? vec[i] : T(0);
     }
-    for (int k = 0; k < q; ++k) {
+    for (int k = 0; FORWARD && k < q; ++k) {
       const T yk = __shfl_sync(FULL_MASK, lane_register(vr, k) / lcol[k], k & 31);
 #pragma unroll
       for (int m = 0; m < RH_SOLVE_ROWS; ++m) {
@@ -772,7 +773,7 @@ rh_newton_solve(const T* __restrict__ C, const T* __restrict__ J,
     }
   }
   __syncthreads();
-  solve_factored(q, A, vec, lcol, fail, lane, warp, ctl, H, D);
+  solve_factored<true>(q, A, vec, lcol, fail, lane, warp, ctl, H, D);
 }
 
 // ---------------------------------------------------------------------------
@@ -858,7 +859,180 @@ rh_newton_solve_blocked(const T* __restrict__ C, const T* __restrict__ J,
     __syncthreads();
   }
   const int fail = s_fail;
-  solve_factored(q, A, vec, lcol, fail, lane, warp, ctl, H, D);
+  solve_factored<true>(q, A, vec, lcol, fail, lane, warp, ctl, H, D);
+}
+
+// ---------------------------------------------------------------------------
+// Newton, step 2 with the factor's columns in registers (one block of
+// RH_SMALL_THREADS threads, p ≤ 128: see the wrappers below): the assembly of
+// rh_newton_assemble, then a right-looking Cholesky in which warp w owns the
+// columns j ≡ w (mod warps) in registers, lane l the rows l, l + 32, ... of
+// each, and the right-hand side rides along as row p, so that the
+// factorisation also makes the forward solution y = L⁻¹g (row p of column k
+// becomes y_k). Per column k one block barrier: the warp owning column k + 1
+// first applies column k's update to it, factors it (pivot, square root, the
+// division of L_ik = a_ik / L_kk that LAPACK makes) and publishes it, with
+// its pivot's verdict, in the other half of a double buffer, and then every
+// warp applies column k to its remaining columns. Then Lᵀ x = y by one warp, as rh_newton_solve. Same
+// outputs as rh_newton_solve: L (lower, column-major; the upper triangle the
+// assembled H) in H, the assembled matrix in Hs, g, D and the potrf-style
+// info (k + 1 for the first non-positive pivot; then D = g).
+// Dynamic shared memory: (p·p + 4p + 2) values of T.
+// ---------------------------------------------------------------------------
+
+// This lane's register of row k in a column held as v[m] = row lane + 32m
+// (unrolled compares keep v in registers).
+template <int R, typename T>
+__device__ __forceinline__ T column_register(const T (&v)[R], int k) {
+  const int mk = k >> 5;
+  T mine = T(0);
+#pragma unroll
+  for (int m = 0; m < R; ++m)
+    if (m == mk) mine = v[m];
+  return mine;
+}
+
+// Column k's update of a column j > k of rows ≤ q: a_ij −= L_ik L_jk for i ≥ j.
+template <int R, typename T>
+__device__ __forceinline__ void column_update(T (&v)[R], int j, int q, const T* Lk, int lane) {
+  const T ljk = Lk[j];
+#pragma unroll
+  for (int m = 0; m < R; ++m) {
+    if (32 * m + 31 < j || 32 * m > q) continue;  // warp-uniform: no row of this register
+    const int i = lane + 32 * m;
+    if (i >= j && i <= q) v[m] = v[m] - Lk[i] * ljk;
+  }
+}
+
+// Factor column k (its updates done): L_kk = √a_kk, L_ik = a_ik / L_kk for
+// i > k (row q: y_k), kept in v and published in Lk and lcol. Returns the
+// potrf-style info: 0, or k + 1 for a non-positive pivot (warp-uniform).
+template <int R, typename T>
+__device__ __forceinline__ int column_factor(T (&v)[R], int k, int q, T* Lk, T* lcol,
+                                             int lane) {
+  const T d = __shfl_sync(FULL_MASK, column_register(v, k), k & 31);
+  if (!(d > T(0))) return k + 1;
+  const T lkk = sqrtv(d);
+#pragma unroll
+  for (int m = 0; m < R; ++m) {
+    if (32 * m + 31 < k || 32 * m > q) continue;
+    const int i = lane + 32 * m;
+    if (i > k && i <= q) {
+      v[m] = v[m] / lkk;
+      Lk[i] = v[m];
+    } else if (i == k) {
+      v[m] = lkk;
+    }
+  }
+  if (lane == 0) lcol[k] = lkk;
+  return 0;
+}
+
+template <int R, int CPW, typename T>
+__device__ __forceinline__ void newton_solve_columns(const T* __restrict__ C,
+                                                     const T* __restrict__ J,
+                                                     const T* __restrict__ beta,
+                                                     const T* __restrict__ beta0, long long p,
+                                                     double* __restrict__ ctl,
+                                                     T* __restrict__ H, T* __restrict__ Hs,
+                                                     T* __restrict__ g, T* __restrict__ D) {
+  constexpr int NW = RH_SMALL_THREADS / 32;
+  extern __shared__ double smem_d[];
+  T* A = reinterpret_cast<T*>(smem_d);  // p×p, column-major
+  T* vec = A + p * p;                   // right-hand side, then y, then the solution
+  T* lcol = vec + p;                    // the diagonal of L
+  T* Lbuf = lcol + p;                   // two columns of L, rows 0..p (row p: y)
+  // the potrf-style info of the column in Lbuf's same half: a warp still
+  // reading one half's verdict must not see the next column's
+  __shared__ int s_fail[2];
+  const int q = (int)p;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  assemble_system(q, C, J, beta, beta0, ctl, A, Hs, g, vec);
+  // this warp's columns j = warp + NW·c, rows 0..q (row q: g)
+  T a[CPW][R];
+#pragma unroll
+  for (int c = 0; c < CPW; ++c) {
+    const int j = warp + NW * c;
+#pragma unroll
+    for (int m = 0; m < R; ++m) {
+      const int i = lane + 32 * m;
+      a[c][m] = (j < q && i >= j && i <= q) ? (i < q ? A[i + j * q] : vec[j]) : T(0);
+    }
+  }
+  if (warp == 0) {
+    const int f = column_factor(a[0], 0, q, Lbuf, lcol, lane);
+    if (lane == 0) s_fail[0] = f;
+  }
+  int fail = 0;
+  __syncthreads();
+  for (int k = 0; k < q; ++k) {
+    fail = s_fail[k & 1];  // written before the last barrier: the same for every thread
+    if (fail != 0) break;
+    const T* Lk = Lbuf + (k & 1) * (q + 1);
+    T* Lnext = Lbuf + ((k + 1) & 1) * (q + 1);
+    const int kn = k + 1;
+    if (kn < q && warp == kn % NW) {  // the next column first: it is on the critical path
+      const int cn = kn / NW;
+#pragma unroll
+      for (int c = 0; c < CPW; ++c) {
+        if (c == cn) {
+          column_update(a[c], kn, q, Lk, lane);
+          const int f = column_factor(a[c], kn, q, Lnext, lcol, lane);
+          if (lane == 0) s_fail[kn & 1] = f;
+        }
+      }
+    }
+#pragma unroll
+    for (int c = 0; c < CPW; ++c) {
+      const int j = warp + NW * c;
+      if (j > kn && j < q) column_update(a[c], j, q, Lk, lane);
+    }
+    __syncthreads();
+  }
+  if (fail == 0) {  // L into A's lower triangle, y into vec
+#pragma unroll
+    for (int c = 0; c < CPW; ++c) {
+      const int j = warp + NW * c;
+      if (j >= q) continue;
+#pragma unroll
+      for (int m = 0; m < R; ++m) {
+        const int i = lane + 32 * m;
+        if (i >= j && i < q) A[i + j * q] = a[c][m];
+        if (i == q) vec[j] = a[c][m];
+      }
+    }
+  }
+  __syncthreads();
+  solve_factored<false>(q, A, vec, lcol, fail, lane, warp, ctl, H, D);
+}
+
+// The instantiations by size: p ≤ 32, ≤ 96 and ≤ 128 (rows 0..p need
+// 32·R > p, columns NW·CPW ≥ p).
+template <typename T>
+__global__ void __launch_bounds__(RH_SMALL_THREADS)
+rh_newton_solve_columns_s(const T* __restrict__ C, const T* __restrict__ J,
+                          const T* __restrict__ beta, const T* __restrict__ beta0, long long p,
+                          double* __restrict__ ctl, T* __restrict__ H, T* __restrict__ Hs,
+                          T* __restrict__ g, T* __restrict__ D) {
+  newton_solve_columns<2, 32 / (RH_SMALL_THREADS / 32)>(C, J, beta, beta0, p, ctl, H, Hs, g, D);
+}
+
+template <typename T>
+__global__ void __launch_bounds__(RH_SMALL_THREADS)
+rh_newton_solve_columns_m(const T* __restrict__ C, const T* __restrict__ J,
+                          const T* __restrict__ beta, const T* __restrict__ beta0, long long p,
+                          double* __restrict__ ctl, T* __restrict__ H, T* __restrict__ Hs,
+                          T* __restrict__ g, T* __restrict__ D) {
+  newton_solve_columns<4, 96 / (RH_SMALL_THREADS / 32)>(C, J, beta, beta0, p, ctl, H, Hs, g, D);
+}
+
+template <typename T>
+__global__ void __launch_bounds__(RH_SMALL_THREADS)
+rh_newton_solve_columns_l(const T* __restrict__ C, const T* __restrict__ J,
+                          const T* __restrict__ beta, const T* __restrict__ beta0, long long p,
+                          double* __restrict__ ctl, T* __restrict__ H, T* __restrict__ Hs,
+                          T* __restrict__ g, T* __restrict__ D) {
+  newton_solve_columns<5, 128 / (RH_SMALL_THREADS / 32)>(C, J, beta, beta0, p, ctl, H, Hs, g, D);
 }
 
 // ---------------------------------------------------------------------------
