@@ -60,7 +60,8 @@ columns)
     # cholesky="columns": its tests (bit identity of the device loop, the reference and
     # cuSOLVER within the contract's tolerance at p = 17-128, singular factors, refused
     # batches), then ms per reference float32 batch with each factorisation and loop
-    # (target 0.55), then the three Newton shapes per factorisation, host loop.
+    # (target 0.55), then the three Newton shapes per factorisation, host loop, and
+    # with the device loop.
     python -m pytest -q -m gpu -rfs tests/test_gpu_device_loop.py \
         tests/test_gpu_engine.py -k "device_loop or loop or cholesky or refused or columns or singular" \
         2>&1 | tail -15
@@ -70,6 +71,11 @@ columns)
         --dtypes float32 float64 --penalties none --engines rh_gpu_device rh_gpu_cusolver \
         rh_gpu_kernel rh_gpu_blocked rh_gpu_columns --repeats 20 --no-cold \
         --output "$out/shape_sweep-columns.json" 2>&1 | tail -8
+    # the device loop around the default factorisation against the host loop
+    python benchmarks/shape_sweep.py --shapes latency reference streaming \
+        --dtypes float32 float64 --penalties none --engines rh_gpu_device rh_gpu_hostloop \
+        --repeats 20 --no-cold --gpu-option device_loop=auto \
+        --output "$out/shape_sweep-columns-loop.json" 2>&1 | tail -8
     ;;
 wide)
     # Per-op profile (the iteration near GEMM + potrf, top ops GEMM/potrf, not rh_wide_*),

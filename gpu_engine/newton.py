@@ -35,13 +35,9 @@ from .inputs import raise_if_invalid
 from .launch import LoopGraph
 from .parts import DeviceParts
 
-#: ``cholesky="auto"`` takes the fused kernel up to this p. Measured on an H200
-#: (benchmarks/results/shape_sweep*.json, rh_gpu_kernel vs rh_gpu_cusolver, and
-#: a sweep that used the kernel up to p = 256): the kernel wins at
-#: p = 17 (0.42 vs 0.47 ms per stream), is within noise at p = 33 and loses at
-#: p = 91 (5.0-5.2 vs 3.4-3.5 ms), where its one-block factorisation is
-#: latency-bound.
-FUSED_SOLVE_MAX_P = 32
+#: ``cholesky="auto"`` takes the register-column kernels (``"columns"``) up to
+#: this p and cuSOLVER above it.
+AUTO_COLUMNS_MAX_P = 128
 
 #: The ways ``GpuEngine(cholesky=...)`` may factorise the Newton system.
 CHOLESKY_MODES = ("auto", "kernel", "blocked", "columns", "cusolver")
@@ -228,9 +224,9 @@ class NewtonDriver:
         if mode == "cusolver":
             return False
         if mode == "auto":
-            if p > FUSED_SOLVE_MAX_P:
+            if p > AUTO_COLUMNS_MAX_P:
                 return False
-            mode = "kernel"
+            mode = "columns"
         item = self._parts.ws.item
         if mode == "columns":
             name = next((kernel for top, kernel in COLUMNS_KERNELS if p <= top), None)
