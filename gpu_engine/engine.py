@@ -98,9 +98,10 @@ class GpuEngine:
         at p = 91. ``"columns"``: one block in which each warp holds its
         columns of the factor in registers and the right-hand side rides
         along as an extra row (one block barrier per column, the forward
-        solve made by the factorisation), for p ≤ 128. ``"auto"`` takes the kernel when it
-        fits and cuSOLVER otherwise (see docs/gpu-engine.md for the
-        measurements).
+        solve made by the factorisation), for p ≤ 128. ``"auto"`` takes
+        ``"columns"`` up to p = 128 and cuSOLVER above (see
+        docs/gpu-engine.md for the measurements). An explicit one-block
+        mode raises :class:`ValidationError` for a system it cannot hold.
         The LU and minimum-norm fallbacks always use cuSOLVER.
     score_variance : bool, default=True
         Accumulate the score variance K = Σ Zᵀ diag(w ψ²) Z (the sandwich's

@@ -58,7 +58,7 @@ class NewtonDriver:
     ----------
     parts : DeviceParts
         The engine's device-side collaborators.
-    cholesky : {"auto", "kernel", "cusolver"}
+    cholesky : {"auto", "kernel", "blocked", "columns", "cusolver"}
         How the Newton system is factorised (see :class:`GpuEngine`).
     loop : DeviceLoop or None
         Runs the iterations as a device loop where it is enabled (None: the
