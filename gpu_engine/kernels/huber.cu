@@ -892,15 +892,16 @@ __device__ __forceinline__ T column_register(const T (&v)[R], int k) {
   return mine;
 }
 
-// Column k's update of a column j > k of rows ≤ q: a_ij −= L_ik L_jk for i ≥ j.
+// Column k's update of a column j > k of rows ≤ q: a_ij −= L_ik L_jk for i ≥ j
+// (li: this lane's rows of column k, ljk = L_jk).
 template <int R, typename T>
-__device__ __forceinline__ void column_update(T (&v)[R], int j, int q, const T* Lk, int lane) {
-  const T ljk = Lk[j];
+__device__ __forceinline__ void column_update(T (&v)[R], int j, int q, const T (&li)[R], T ljk,
+                                              int lane) {
 #pragma unroll
   for (int m = 0; m < R; ++m) {
     if (32 * m + 31 < j || 32 * m > q) continue;  // warp-uniform: no row of this register
     const int i = lane + 32 * m;
-    if (i >= j && i <= q) v[m] = v[m] - Lk[i] * ljk;
+    if (i >= j && i <= q) v[m] = v[m] - li[m] * ljk;
   }
 }
 
@@ -971,12 +972,18 @@ __device__ __forceinline__ void newton_solve_columns(const T* __restrict__ C,
     const T* Lk = Lbuf + (k & 1) * (q + 1);
     T* Lnext = Lbuf + ((k + 1) & 1) * (q + 1);
     const int kn = k + 1;
+    T li[R];  // this lane's rows of column k, read once for all of the warp's columns
+#pragma unroll
+    for (int m = 0; m < R; ++m) {
+      const int i = lane + 32 * m;
+      li[m] = (i > k && i <= q) ? Lk[i] : T(0);
+    }
     if (kn < q && warp == kn % NW) {  // the next column first: it is on the critical path
       const int cn = kn / NW;
 #pragma unroll
       for (int c = 0; c < CPW; ++c) {
         if (c == cn) {
-          column_update(a[c], kn, q, Lk, lane);
+          column_update(a[c], kn, q, li, Lk[kn], lane);
           const int f = column_factor(a[c], kn, q, Lnext, lcol, lane);
           if (lane == 0) s_fail[kn & 1] = f;
         }
@@ -985,7 +992,7 @@ __device__ __forceinline__ void newton_solve_columns(const T* __restrict__ C,
 #pragma unroll
     for (int c = 0; c < CPW; ++c) {
       const int j = warp + NW * c;
-      if (j > kn && j < q) column_update(a[c], j, q, Lk, lane);
+      if (j > kn && j < q) column_update(a[c], j, q, li, Lk[j], lane);
     }
     __syncthreads();
   }
