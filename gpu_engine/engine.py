@@ -99,7 +99,7 @@ class GpuEngine:
         columns of the factor in registers and the right-hand side rides
         along as an extra row (one block barrier per column, the forward
         solve made by the factorisation), for p ≤ 128. ``"auto"`` takes
-        ``"columns"`` up to p = 128 and cuSOLVER above (see
+        ``"columns"`` up to p = 33 and cuSOLVER above (see
         docs/gpu-engine.md for the measurements). An explicit one-block
         mode raises :class:`ValidationError` for a system it cannot hold.
         The LU and minimum-norm fallbacks always use cuSOLVER.
