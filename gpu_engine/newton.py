@@ -1,7 +1,7 @@
 """The unpenalised solve on the device: Newton with monotone backtracking.
 
 One step graph per iteration: the Cholesky solve of the Newton system
-(``rh_newton_solve``, a fused one-block kernel for small p, else
+(a one-block kernel for small p, by default ``rh_newton_solve_columns_*``, else
 ``rh_newton_assemble`` + cuSOLVER ``potrf``/``potrs``; for wide designs,
 p ≥ ``layout.WIDE_MIN_P``, the assembly and the products with J are grid
 kernels, ``rh_wide_symv`` and ``rh_wide_assemble``), ``rh_newton_search``
