@@ -7,7 +7,8 @@ iteration is launched on its own, eagerly, 100 times between two CUDA events,
 5 times: ``assemble`` (the one-block assembly kernel alone, the part every
 mode shares), ``cusolver`` (assembly + ``potrf``/``potrs``), and the one-block
 kernels ``kernel``, ``blocked`` and ``columns`` (assembly, factorisation and
-both triangular solves in one launch). Medians of the five per-launch means.
+both triangular solves in one launch), and ``columns_noloop`` (the columns
+kernel without its factorisation loop). Medians of the five per-launch means.
 
     PYTHONPATH=. python benchmarks/solve_probe.py [--output FILE]
 """
@@ -21,13 +22,47 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 from common import environment, write_json
 
 from rh_dask import HuberConfig
 from rh_dask.datasets import StreamSpec
 
 SCHEMA = "rh-dask/bench/solve-probe/1"
-MODES = ("assemble", "cusolver", "kernel", "blocked", "columns")
+MODES = ("assemble", "cusolver", "kernel", "blocked", "columns", "columns_noloop")
+
+#: ``columns_noloop``: the columns kernel compiled with its factorisation loop
+#: taken out (assembly, register loads, back substitution and writes only), so
+#: that columns − columns_noloop is the loop's cost. Its outputs are garbage.
+_NOLOOP = (
+    "for (int k = 0; k < q; ++k) {\n    fail = s_fail[k & 1];",
+    "for (int k = 0; k < 0; ++k) {\n    fail = s_fail[k & 1];",
+)
+
+
+def _noloop_body(cp: Any, engine: Any, p: int):
+    from gpu_engine import kernels, layout, newton
+
+    ws, stream = engine._ws, engine._newton._parts.stream
+    source = kernels.SOURCE.read_text()
+    if source.count(_NOLOOP[0]) != 1:
+        raise RuntimeError("the columns kernel's loop is not where the probe expects it")
+    code = layout.cuda_defines() + source.replace(*_NOLOOP)
+    ctype = "float" if ws.item == 4 else "double"
+    name = next(k for top, k in newton.COLUMNS_KERNELS if p <= top)
+    module = cp.RawModule(
+        code=code, options=kernels.COMPILE_OPTIONS, name_expressions=[f"{name}<{ctype}>"]
+    )
+    kernel = module.get_function(f"{name}<{ctype}>")
+    shared = (p * p + 4 * p + 2) * ws.item
+    kernel.max_dynamic_shared_size_bytes = shared
+    args = (ws.C, ws.J, ws.beta_work, ws.beta, np.int64(p), ws.ctl, ws.H, ws.Hs, ws.g, ws.D)
+
+    def body() -> None:
+        with stream:
+            kernel((1,), (layout.SMALL_THREADS,), args, shared_mem=shared)
+
+    return body
 
 
 def _solve_body(engine: Any, mode: str, p: int):
@@ -41,6 +76,10 @@ def _solve_body(engine: Any, mode: str, p: int):
 
     if mode == "assemble":
         return assemble
+    if mode == "columns_noloop":
+        import cupy as cp
+
+        return _noloop_body(cp, engine, p)
     if mode == "cusolver":
 
         def body() -> None:
