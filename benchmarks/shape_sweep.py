@@ -10,6 +10,8 @@ whole stream (empty state → last batch) is timed through:
                       unpenalised only)
 * ``rh_gpu_columns``  the same with ``cholesky="columns"`` (the factor's columns in registers,
                       p ≤ 128; unpenalised only)
+* ``rh_gpu_panels``   the same with ``cholesky="panels"`` (the same in panels of 4 columns,
+                      p ≤ 96; unpenalised only)
 * ``rh_gpu_hostloop`` the same with the Newton iterations driven by the host, one
                       synchronisation per iteration (``device_loop="off"``; unpenalised
                       only: does the device loop pay? It differs from ``rh_gpu_device`` only
@@ -232,10 +234,19 @@ def rh_gpu_steady(config, batches, runner, mode, gpu_options=None):
         options["cholesky"] = "kernel"
     elif mode == "hostloop":
         options["device_loop"] = "off"
-    elif mode in ("blocked", "columns"):
+    elif mode in ("blocked", "columns", "panels"):
         options["cholesky"] = mode
     engine = GpuEngine(config, **options)
-    if mode in ("device", "eager", "cusolver", "kernel", "hostloop", "blocked", "columns"):
+    if mode in (
+        "device",
+        "eager",
+        "cusolver",
+        "kernel",
+        "hostloop",
+        "blocked",
+        "columns",
+        "panels",
+    ):
         data = [(cp.asarray(X), cp.asarray(y)) for X, y in batches]
     elif mode == "pinned":
         data = []
@@ -406,9 +417,10 @@ def sweep(args: argparse.Namespace) -> dict[str, Any]:
                     ("rh_gpu_hostloop", "hostloop"),
                     ("rh_gpu_blocked", "blocked"),
                     ("rh_gpu_columns", "columns"),
+                    ("rh_gpu_panels", "panels"),
                 ):
                     if (
-                        mode in ("cusolver", "kernel", "hostloop", "blocked", "columns")
+                        mode in ("cusolver", "kernel", "hostloop", "blocked", "columns", "panels")
                         and config.penalised
                     ):
                         continue  # the Cholesky path only matters to Newton
@@ -616,7 +628,13 @@ def derive(
     cus, ker = _median(case, "rh_gpu_cusolver"), _median(case, "rh_gpu_kernel")
     if cus is not None and ker is not None:
         out["fused_cholesky_speedup_over_cusolver"] = cus / ker
-    for name in ("rh_gpu_cusolver", "rh_gpu_kernel", "rh_gpu_blocked", "rh_gpu_columns"):
+    for name in (
+        "rh_gpu_cusolver",
+        "rh_gpu_kernel",
+        "rh_gpu_blocked",
+        "rh_gpu_columns",
+        "rh_gpu_panels",
+    ):
         median = _median(case, name)
         if median is not None:
             out[f"{name}_ms_per_batch"] = median * 1e3 / nb
@@ -783,6 +801,7 @@ ALL_ENGINES = (
     "rh_gpu_hostloop",
     "rh_gpu_blocked",
     "rh_gpu_columns",
+    "rh_gpu_panels",
     "rh_gpu_host",
     "rh_gpu_host_serial",
     "rh_gpu_pinned",

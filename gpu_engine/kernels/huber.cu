@@ -1043,6 +1043,179 @@ rh_newton_solve_columns_l(const T* __restrict__ C, const T* __restrict__ J,
 }
 
 // ---------------------------------------------------------------------------
+// Newton, step 2 with the factor's columns in registers, in panels of B
+// columns (one block of RH_SMALL_THREADS threads): as newton_solve_columns,
+// but the columns go to warps by panels (panel b to warp b mod warps), so
+// one block barrier serves B columns. Per panel step the warp owning panel
+// b + 1 applies panel b to it, factors its B columns in turn (each column's
+// update of the panel's later columns within the warp, through shuffles) and
+// publishes them with the panel's verdict in the other half of a double
+// buffer; then every warp applies panel b to the rest of its columns. Same
+// outputs as rh_newton_solve. Dynamic shared memory: (p·p + 2p + 2B(p + 1))
+// values of T.
+// ---------------------------------------------------------------------------
+
+// Factor the warp's panel `pb` (local columns c with c / B == round): column
+// by column, L_jj = √a_jj, L_ij = a_ij / L_jj, then its update of the panel's
+// later columns; each column goes to Lp (column t of the panel at t·(q + 1))
+// and lcol. Returns the potrf-style info of the panel (warp-uniform).
+template <int R, int CPW, int B, typename T>
+__device__ __forceinline__ int panel_factor(T (&a)[CPW][R], int pb, int round, int q, T* Lp,
+                                            T* lcol, int lane) {
+#pragma unroll
+  for (int c = 0; c < CPW; ++c) {
+    if (c / B != round) continue;
+    const int t = c % B, j = pb * B + t;
+    if (j >= q) continue;
+    const T d = __shfl_sync(FULL_MASK, column_register(a[c], j), j & 31);
+    if (!(d > T(0))) return j + 1;
+    const T ljj = sqrtv(d);
+#pragma unroll
+    for (int m = 0; m < R; ++m) {
+      if (32 * m + 31 < j || 32 * m > q) continue;
+      const int i = lane + 32 * m;
+      if (i > j && i <= q) {
+        a[c][m] = a[c][m] / ljj;
+        Lp[t * (q + 1) + i] = a[c][m];
+      } else if (i == j) {
+        a[c][m] = ljj;
+      }
+    }
+    if (lane == 0) lcol[j] = ljj;
+    // this column's update of the panel's later columns j2: a_i,j2 −= L_ij L_j2,j
+#pragma unroll
+    for (int c2 = c + 1; c2 < CPW; ++c2) {
+      if (c2 / B != round) continue;
+      const int j2 = pb * B + c2 % B;
+      if (j2 >= q) continue;
+      const T lj2 = __shfl_sync(FULL_MASK, column_register(a[c], j2), j2 & 31);
+#pragma unroll
+      for (int m = 0; m < R; ++m) {
+        if (32 * m + 31 < j2 || 32 * m > q) continue;
+        const int i = lane + 32 * m;
+        if (i >= j2 && i <= q) a[c2][m] = a[c2][m] - a[c][m] * lj2;
+      }
+    }
+  }
+  return 0;
+}
+
+// Panel pb's update of a column j past it: a_ij −= Σ_t L_i,t L_j,t for i ≥ j
+// (li[t]: this lane's rows of the panel's column t, Lp the published panel).
+template <int R, int B, typename T>
+__device__ __forceinline__ void panel_update(T (&v)[R], int j, int q, const T (&li)[B][R],
+                                             const T* Lp, int lane) {
+  T lj[B];
+#pragma unroll
+  for (int t = 0; t < B; ++t) lj[t] = Lp[t * (q + 1) + j];
+#pragma unroll
+  for (int m = 0; m < R; ++m) {
+    if (32 * m + 31 < j || 32 * m > q) continue;
+    const int i = lane + 32 * m;
+    if (i >= j && i <= q) {
+      T s = v[m];
+#pragma unroll
+      for (int t = 0; t < B; ++t) s = s - li[t][m] * lj[t];
+      v[m] = s;
+    }
+  }
+}
+
+template <int R, int CPW, int B, typename T>
+__device__ __forceinline__ void newton_solve_panels(const T* __restrict__ C,
+                                                    const T* __restrict__ J,
+                                                    const T* __restrict__ beta,
+                                                    const T* __restrict__ beta0, long long p,
+                                                    double* __restrict__ ctl,
+                                                    T* __restrict__ H, T* __restrict__ Hs,
+                                                    T* __restrict__ g, T* __restrict__ D) {
+  constexpr int NW = RH_SMALL_THREADS / 32;
+  extern __shared__ double smem_d[];
+  T* A = reinterpret_cast<T*>(smem_d);  // p×p, column-major
+  T* vec = A + p * p;                   // right-hand side, then y, then the solution
+  T* lcol = vec + p;                    // the diagonal of L
+  T* Lbuf = lcol + p;                   // two panels of L, B columns of rows 0..p each
+  __shared__ int s_fail[2];             // each half's verdict (see newton_solve_columns)
+  const int q = (int)p, panels = (q + B - 1) / B, half = B * (q + 1);
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  assemble_system(q, C, J, beta, beta0, ctl, A, Hs, g, vec);
+  // local column c of this warp: panel (c / B)·NW + warp, its column c mod B
+  T a[CPW][R];
+#pragma unroll
+  for (int c = 0; c < CPW; ++c) {
+    const int j = ((c / B) * NW + warp) * B + c % B;
+#pragma unroll
+    for (int m = 0; m < R; ++m) {
+      const int i = lane + 32 * m;
+      a[c][m] = (j < q && i >= j && i <= q) ? (i < q ? A[i + j * q] : vec[j]) : T(0);
+    }
+  }
+  if (warp == 0) {
+    const int f = panel_factor<R, CPW, B>(a, 0, 0, q, Lbuf, lcol, lane);
+    if (lane == 0) s_fail[0] = f;
+  }
+  int fail = 0;
+  __syncthreads();
+  for (int pb = 0; pb < panels; ++pb) {
+    fail = s_fail[pb & 1];  // written before the last barrier: the same for every thread
+    if (fail != 0) break;
+    const T* Lp = Lbuf + (pb & 1) * half;
+    T* Lnext = Lbuf + ((pb + 1) & 1) * half;
+    T li[B][R];  // this lane's rows of the panel's columns
+#pragma unroll
+    for (int t = 0; t < B; ++t) {
+#pragma unroll
+      for (int m = 0; m < R; ++m) {
+        const int i = lane + 32 * m;
+        li[t][m] = (i > pb * B + t && i <= q && pb * B + t < q) ? Lp[t * (q + 1) + i] : T(0);
+      }
+    }
+    const int next = pb + 1;
+    if (next < panels && warp == next % NW) {  // the next panel first: the critical path
+      const int round = next / NW;
+#pragma unroll
+      for (int c = 0; c < CPW; ++c) {
+        const int j = next * B + c % B;
+        if (c / B == round && j < q) panel_update<R, B>(a[c], j, q, li, Lp, lane);
+      }
+      const int f = panel_factor<R, CPW, B>(a, next, round, q, Lnext, lcol, lane);
+      if (lane == 0) s_fail[next & 1] = f;
+    }
+#pragma unroll
+    for (int c = 0; c < CPW; ++c) {
+      const int j = ((c / B) * NW + warp) * B + c % B;
+      if (j >= (pb + 2) * B && j < q) panel_update<R, B>(a[c], j, q, li, Lp, lane);
+    }
+    __syncthreads();
+  }
+  if (fail == 0) {  // L into A's lower triangle, y into vec
+#pragma unroll
+    for (int c = 0; c < CPW; ++c) {
+      const int j = ((c / B) * NW + warp) * B + c % B;
+      if (j >= q) continue;
+#pragma unroll
+      for (int m = 0; m < R; ++m) {
+        const int i = lane + 32 * m;
+        if (i >= j && i < q) A[i + j * q] = a[c][m];
+        if (i == q) vec[j] = a[c][m];
+      }
+    }
+  }
+  __syncthreads();
+  solve_factored<false>(q, A, vec, lcol, fail, lane, warp, ctl, H, D);
+}
+
+// Panels of 4 columns for p ≤ 96: up to 24 panels, two rounds of 16 warps.
+template <typename T>
+__global__ void __launch_bounds__(RH_SMALL_THREADS)
+rh_newton_solve_panels(const T* __restrict__ C, const T* __restrict__ J,
+                       const T* __restrict__ beta, const T* __restrict__ beta0, long long p,
+                       double* __restrict__ ctl, T* __restrict__ H, T* __restrict__ Hs,
+                       T* __restrict__ g, T* __restrict__ D) {
+  newton_solve_panels<4, 8, 4>(C, J, beta, beta0, p, ctl, H, Hs, g, D);
+}
+
+// ---------------------------------------------------------------------------
 // Newton, step 3: zdir = Z·D and, in the same pass, the remainder sums
 // Σ w R(t_k · zdir) for every step t_k = 2^-k of the contract's backtracking
 // (lane k of each warp owns step k). The last block checks the Cholesky
