@@ -672,22 +672,28 @@ __device__ __forceinline__ void solve_factored(int q, const T* A, T* vec, const 
       const int i = lane + 32 * m;
       vr[m] = i < q ? vec[i] : T(0);
     }
+    // Selects, not per-row branches: the rows that count get the same
+    // arithmetic; a load whose row does not count reads a valid address.
     for (int k = 0; FORWARD && k < q; ++k) {
       const T yk = __shfl_sync(FULL_MASK, lane_register(vr, k) / lcol[k], k & 31);
 #pragma unroll
       for (int m = 0; m < RH_SOLVE_ROWS; ++m) {
+        if (32 * m >= q || 32 * m + 31 < k) continue;  // warp-uniform
         const int i = lane + 32 * m;
-        if (i > k && i < q) vr[m] -= A[i + k * q] * yk;
-        if (i == k) vr[m] = yk;
+        const bool below = i > k && i < q;
+        const T aik = A[(below ? i : k) + k * q];
+        vr[m] = below ? vr[m] - aik * yk : (i == k ? yk : vr[m]);
       }
     }
     for (int k = q - 1; k >= 0; --k) {
       const T xk = __shfl_sync(FULL_MASK, lane_register(vr, k) / lcol[k], k & 31);
 #pragma unroll
       for (int m = 0; m < RH_SOLVE_ROWS; ++m) {
+        if (32 * m > k) continue;  // warp-uniform: no row ≤ k here
         const int i = lane + 32 * m;
-        if (i < k) vr[m] -= A[k + i * q] * xk;
-        if (i == k) vr[m] = xk;
+        const bool above = i < k;
+        const T aki = A[k + (above ? i : k) * q];
+        vr[m] = above ? vr[m] - aki * xk : (i == k ? xk : vr[m]);
       }
     }
 #pragma unroll
@@ -892,21 +898,23 @@ __device__ __forceinline__ T column_register(const T (&v)[R], int k) {
   return mine;
 }
 
-// Column k's update of a column j > k of rows ≤ q: a_ij −= L_ik L_jk for i ≥ j
-// (li: this lane's rows of column k, ljk = L_jk).
+// Column k's update of a column j > k: a_ij −= L_ik L_jk (li: this lane's rows
+// of column k, zero outside k < i ≤ q; ljk = L_jk). Branch-free: the rows
+// k < i < j of column j take the update too, and are never read (they are
+// above the diagonal); a per-row branch cost more than the arithmetic.
 template <int R, typename T>
-__device__ __forceinline__ void column_update(T (&v)[R], int j, int q, const T (&li)[R], T ljk,
-                                              int lane) {
+__device__ __forceinline__ void column_update(T (&v)[R], int j, int q, const T (&li)[R], T ljk) {
 #pragma unroll
   for (int m = 0; m < R; ++m) {
     if (32 * m + 31 < j || 32 * m > q) continue;  // warp-uniform: no row of this register
-    const int i = lane + 32 * m;
-    if (i >= j && i <= q) v[m] = v[m] - li[m] * ljk;
+    v[m] = v[m] - li[m] * ljk;
   }
 }
 
-// Factor column k (its updates done): L_kk = √a_kk, L_ik = a_ik / L_kk for
-// i > k (row q: y_k), kept in v and published in Lk and lcol. Returns the
+// Factor column k (its updates done): L_kk = √a_kk, L_ik = a_ik · (1 / L_kk)
+// for i > k (row q: y_k; the reciprocal's product, as LAPACK's unblocked
+// potf2 scales), kept in v and published in Lk and lcol. Rows above the
+// diagonal are scaled too, branch-free, and never read. Returns the
 // potrf-style info: 0, or k + 1 for a non-positive pivot (warp-uniform).
 template <int R, typename T>
 __device__ __forceinline__ int column_factor(T (&v)[R], int k, int q, T* Lk, T* lcol,
@@ -914,16 +922,14 @@ __device__ __forceinline__ int column_factor(T (&v)[R], int k, int q, T* Lk, T* 
   const T d = __shfl_sync(FULL_MASK, column_register(v, k), k & 31);
   if (!(d > T(0))) return k + 1;
   const T lkk = sqrtv(d);
+  const T inv = T(1) / lkk;
 #pragma unroll
   for (int m = 0; m < R; ++m) {
     if (32 * m + 31 < k || 32 * m > q) continue;
     const int i = lane + 32 * m;
-    if (i > k && i <= q) {
-      v[m] = v[m] / lkk;
-      Lk[i] = v[m];
-    } else if (i == k) {
-      v[m] = lkk;
-    }
+    const T scaled = v[m] * inv;
+    v[m] = i == k ? lkk : scaled;
+    if (i > k && i <= q) Lk[i] = scaled;
   }
   if (lane == 0) lcol[k] = lkk;
   return 0;
@@ -983,7 +989,7 @@ __device__ __forceinline__ void newton_solve_columns(const T* __restrict__ C,
 #pragma unroll
       for (int c = 0; c < CPW; ++c) {
         if (c == cn) {
-          column_update(a[c], kn, q, li, Lk[kn], lane);
+          column_update(a[c], kn, q, li, Lk[kn]);
           const int f = column_factor(a[c], kn, q, Lnext, lcol, lane);
           if (lane == 0) s_fail[kn & 1] = f;
         }
@@ -992,7 +998,7 @@ __device__ __forceinline__ void newton_solve_columns(const T* __restrict__ C,
 #pragma unroll
     for (int c = 0; c < CPW; ++c) {
       const int j = warp + NW * c;
-      if (j > kn && j < q) column_update(a[c], j, q, li, Lk[j], lane);
+      if (j > kn && j < q) column_update(a[c], j, q, li, Lk[j]);
     }
     __syncthreads();
   }
@@ -1070,16 +1076,14 @@ __device__ __forceinline__ int panel_factor(T (&a)[CPW][R], int pb, int round, i
     const T d = __shfl_sync(FULL_MASK, column_register(a[c], j), j & 31);
     if (!(d > T(0))) return j + 1;
     const T ljj = sqrtv(d);
+    const T inv = T(1) / ljj;
 #pragma unroll
-    for (int m = 0; m < R; ++m) {
+    for (int m = 0; m < R; ++m) {  // branch-free, as column_factor
       if (32 * m + 31 < j || 32 * m > q) continue;
       const int i = lane + 32 * m;
-      if (i > j && i <= q) {
-        a[c][m] = a[c][m] / ljj;
-        Lp[t * (q + 1) + i] = a[c][m];
-      } else if (i == j) {
-        a[c][m] = ljj;
-      }
+      const T scaled = a[c][m] * inv;
+      a[c][m] = i == j ? ljj : scaled;
+      if (i > j && i <= q) Lp[t * (q + 1) + i] = scaled;
     }
     if (lane == 0) lcol[j] = ljj;
     // this column's update of the panel's later columns j2: a_i,j2 −= L_ij L_j2,j
@@ -1090,10 +1094,9 @@ __device__ __forceinline__ int panel_factor(T (&a)[CPW][R], int pb, int round, i
       if (j2 >= q) continue;
       const T lj2 = __shfl_sync(FULL_MASK, column_register(a[c], j2), j2 & 31);
 #pragma unroll
-      for (int m = 0; m < R; ++m) {
+      for (int m = 0; m < R; ++m) {  // rows above j2 take garbage, never read
         if (32 * m + 31 < j2 || 32 * m > q) continue;
-        const int i = lane + 32 * m;
-        if (i >= j2 && i <= q) a[c2][m] = a[c2][m] - a[c][m] * lj2;
+        a[c2][m] = a[c2][m] - a[c][m] * lj2;
       }
     }
   }
@@ -1104,20 +1107,17 @@ __device__ __forceinline__ int panel_factor(T (&a)[CPW][R], int pb, int round, i
 // (li[t]: this lane's rows of the panel's column t, Lp the published panel).
 template <int R, int B, typename T>
 __device__ __forceinline__ void panel_update(T (&v)[R], int j, int q, const T (&li)[B][R],
-                                             const T* Lp, int lane) {
+                                             const T* Lp) {
   T lj[B];
 #pragma unroll
   for (int t = 0; t < B; ++t) lj[t] = Lp[t * (q + 1) + j];
 #pragma unroll
-  for (int m = 0; m < R; ++m) {
+  for (int m = 0; m < R; ++m) {  // branch-free, as column_update
     if (32 * m + 31 < j || 32 * m > q) continue;
-    const int i = lane + 32 * m;
-    if (i >= j && i <= q) {
-      T s = v[m];
+    T s = v[m];
 #pragma unroll
-      for (int t = 0; t < B; ++t) s = s - li[t][m] * lj[t];
-      v[m] = s;
-    }
+    for (int t = 0; t < B; ++t) s = s - li[t][m] * lj[t];
+    v[m] = s;
   }
 }
 
@@ -1176,7 +1176,7 @@ __device__ __forceinline__ void newton_solve_panels(const T* __restrict__ C,
 #pragma unroll
       for (int c = 0; c < CPW; ++c) {
         const int j = next * B + c % B;
-        if (c / B == round && j < q) panel_update<R, B>(a[c], j, q, li, Lp, lane);
+        if (c / B == round && j < q) panel_update<R, B>(a[c], j, q, li, Lp);
       }
       const int f = panel_factor<R, CPW, B>(a, next, round, q, Lnext, lcol, lane);
       if (lane == 0) s_fail[next & 1] = f;
@@ -1184,7 +1184,7 @@ __device__ __forceinline__ void newton_solve_panels(const T* __restrict__ C,
 #pragma unroll
     for (int c = 0; c < CPW; ++c) {
       const int j = ((c / B) * NW + warp) * B + c % B;
-      if (j >= (pb + 2) * B && j < q) panel_update<R, B>(a[c], j, q, li, Lp, lane);
+      if (j >= (pb + 2) * B && j < q) panel_update<R, B>(a[c], j, q, li, Lp);
     }
     __syncthreads();
   }
