@@ -10,8 +10,6 @@ whole stream (empty state → last batch) is timed through:
                       unpenalised only)
 * ``rh_gpu_columns``  the same with ``cholesky="columns"`` (the factor's columns in registers,
                       p ≤ 128; unpenalised only)
-* ``rh_gpu_panels``   the same with ``cholesky="panels"`` (the same in panels of 4 columns,
-                      p ≤ 96; unpenalised only)
 * ``rh_gpu_hostloop`` the same with the Newton iterations driven by the host, one
                       synchronisation per iteration (``device_loop="off"``; unpenalised
                       only: does the device loop pay? It differs from ``rh_gpu_device`` only
@@ -234,7 +232,7 @@ def rh_gpu_steady(config, batches, runner, mode, gpu_options=None):
         options["cholesky"] = "kernel"
     elif mode == "hostloop":
         options["device_loop"] = "off"
-    elif mode in ("blocked", "columns", "panels"):
+    elif mode in ("blocked", "columns"):
         options["cholesky"] = mode
     engine = GpuEngine(config, **options)
     if mode in (
@@ -245,7 +243,6 @@ def rh_gpu_steady(config, batches, runner, mode, gpu_options=None):
         "hostloop",
         "blocked",
         "columns",
-        "panels",
     ):
         data = [(cp.asarray(X), cp.asarray(y)) for X, y in batches]
     elif mode == "pinned":
@@ -417,10 +414,9 @@ def sweep(args: argparse.Namespace) -> dict[str, Any]:
                     ("rh_gpu_hostloop", "hostloop"),
                     ("rh_gpu_blocked", "blocked"),
                     ("rh_gpu_columns", "columns"),
-                    ("rh_gpu_panels", "panels"),
                 ):
                     if (
-                        mode in ("cusolver", "kernel", "hostloop", "blocked", "columns", "panels")
+                        mode in ("cusolver", "kernel", "hostloop", "blocked", "columns")
                         and config.penalised
                     ):
                         continue  # the Cholesky path only matters to Newton
@@ -633,7 +629,6 @@ def derive(
         "rh_gpu_kernel",
         "rh_gpu_blocked",
         "rh_gpu_columns",
-        "rh_gpu_panels",
     ):
         median = _median(case, name)
         if median is not None:
@@ -801,7 +796,6 @@ ALL_ENGINES = (
     "rh_gpu_hostloop",
     "rh_gpu_blocked",
     "rh_gpu_columns",
-    "rh_gpu_panels",
     "rh_gpu_host",
     "rh_gpu_host_serial",
     "rh_gpu_pinned",

@@ -86,7 +86,7 @@ class GpuEngine:
     copy_threads : int, default=4
         Threads that copy host (NumPy) batches into pinned staging memory
         (the process's, shared by the engines asking for as many).
-    cholesky : {"auto", "kernel", "blocked", "columns", "panels", "cusolver"}, default="auto"
+    cholesky : {"auto", "kernel", "blocked", "columns", "cusolver"}, default="auto"
         How the Newton system is factorised. ``"cusolver"``: cuSOLVER
         ``potrf``/``potrs`` on a preallocated workspace. ``"kernel"``: the
         engine's fused one-block kernel (assembly, Cholesky and both
@@ -98,9 +98,7 @@ class GpuEngine:
         at p = 91. ``"columns"``: one block in which each warp holds its
         columns of the factor in registers and the right-hand side rides
         along as an extra row (one block barrier per column, the forward
-        solve made by the factorisation), for p ≤ 128. ``"panels"``: the
-        same with the columns dealt to warps in panels of 4 (one block
-        barrier per panel), for p ≤ 96. ``"auto"`` takes
+        solve made by the factorisation), for p ≤ 128. ``"auto"`` takes
         ``"columns"`` up to p = 33 and cuSOLVER above (see
         docs/gpu-engine.md for the measurements). An explicit one-block
         mode raises :class:`ValidationError` for a system it cannot hold.

@@ -481,9 +481,7 @@ def _assert_bit_identical(config, batches, weights=None, **options):
 
 @gpu
 @needs_device
-@pytest.mark.parametrize(
-    "cholesky", ["auto", "kernel", "blocked", "columns", "panels", "cusolver"]
-)
+@pytest.mark.parametrize("cholesky", ["auto", "kernel", "blocked", "columns", "cusolver"])
 @pytest.mark.parametrize("dtype", ["float64", "float32"])
 @pytest.mark.parametrize(
     "features, sizes",
@@ -491,7 +489,7 @@ def _assert_bit_identical(config, batches, weights=None, **options):
     ids=["latency", "reference", "streaming", "wide"],
 )
 def test_device_loop_gives_the_host_loops_bits(features, sizes, dtype, cholesky):
-    if cholesky in ("kernel", "blocked", "columns", "panels") and features > 200:
+    if cholesky in ("kernel", "blocked", "columns") and features > 200:
         pytest.skip("the one-block kernels hold the system in shared memory")
     config, batches = HuberConfig(dtype=dtype), _stream(features, sizes, dtype, 3)
     if _solves_with_cusolver(config, batches[0], cholesky):
@@ -536,7 +534,7 @@ def test_weighted_batches_without_intercept_give_the_same_bits(dtype):
 
 @gpu
 @needs_device
-@pytest.mark.parametrize("cholesky", ["kernel", "blocked", "columns", "panels", "cusolver"])
+@pytest.mark.parametrize("cholesky", ["kernel", "blocked", "columns", "cusolver"])
 @pytest.mark.parametrize("dtype", ["float64", "float32"])
 @pytest.mark.parametrize("features", [6, 70])
 def test_singular_factors_exit_to_the_host_and_give_the_same_bits(features, dtype, cholesky):
@@ -662,16 +660,13 @@ TOL = {"float64": (1e-8, 2e-9), "float32": (3e-4, 3e-5)}
 
 @gpu
 @needs_device
-@pytest.mark.parametrize("cholesky", ["blocked", "columns", "panels"])
+@pytest.mark.parametrize("cholesky", ["blocked", "columns"])
 @pytest.mark.parametrize("dtype", ["float64", "float32"])
 @pytest.mark.parametrize("features", [16, 31, 40, 90, 95, 96, 127])
 def test_the_one_block_cholesky_matches_the_reference_and_cusolver(features, dtype, cholesky):
     """``"blocked"``: one to four 32-column panels, a partial last one; ``"columns"``:
     each of its three kernels, at and below its largest p (p = features + 1)."""
     from rh_dask import NumpyEngine
-
-    if cholesky == "panels" and features > 95:
-        pytest.skip("the panel kernel holds p ≤ 96")
 
     batches = _stream(features, [20000, 20000, 700], dtype, 12)
     config = HuberConfig(dtype=dtype)
