@@ -37,11 +37,9 @@ from .parts import DeviceParts
 
 #: ``cholesky="auto"`` takes the register-column kernels (``"columns"``) up to
 #: this p and cuSOLVER above it. Measured on an H100 machine, ms per stream,
-#: host loop (benchmarks/results/shape_sweep-h100-columns.json): at p = 17 the
-#: columns kernel beats both cuSOLVER and the older fused kernel (float32 0.40
-#: against 0.49 and 0.44), at p = 33 it is even with cuSOLVER in float32 (7.81
-#: against 7.69) and ahead in float64 (7.74 against 8.55), and at p = 91 it
-#: loses (3.89 against 3.39 in float32).
+#: host loop (benchmarks/results/shape_sweep-h100-branch-free.json): columns
+#: against cuSOLVER 0.40 / 0.48 at p = 17 and 6.35 / 6.72 at p = 33 (float32),
+#: 3.57 / 3.29 at p = 91 (float32; even in float64, 4.47 / 4.48).
 AUTO_COLUMNS_MAX_P = 33
 
 #: The ways ``GpuEngine(cholesky=...)`` may factorise the Newton system.
