@@ -116,14 +116,14 @@ __device__ __forceinline__ bool commit_due(const int* ci) {
 
 // A vector spread over a warp's registers (element i in lane i % 32, register
 // i / 32): this lane's register of element k's row (selected with unrolled
-// compares, so that vr stays in registers rather than local memory).
-template <typename T>
-__device__ __forceinline__ T lane_register(const T (&vr)[RH_SOLVE_ROWS], int k) {
+// compares, so that v stays in registers rather than local memory).
+template <int R, typename T>
+__device__ __forceinline__ T column_register(const T (&v)[R], int k) {
   const int mk = k >> 5;
   T mine = T(0);
 #pragma unroll
-  for (int m = 0; m < RH_SOLVE_ROWS; ++m)
-    if (m == mk) mine = vr[m];
+  for (int m = 0; m < R; ++m)
+    if (m == mk) mine = v[m];
   return mine;
 }
 
@@ -675,7 +675,7 @@ __device__ __forceinline__ void solve_factored(int q, const T* A, T* vec, const 
     // Selects, not per-row branches: the rows that count get the same
     // arithmetic; a load whose row does not count reads a valid address.
     for (int k = 0; FORWARD && k < q; ++k) {
-      const T yk = __shfl_sync(FULL_MASK, lane_register(vr, k) / lcol[k], k & 31);
+      const T yk = __shfl_sync(FULL_MASK, column_register(vr, k) / lcol[k], k & 31);
 #pragma unroll
       for (int m = 0; m < RH_SOLVE_ROWS; ++m) {
         if (32 * m >= q || 32 * m + 31 < k) continue;  // warp-uniform
@@ -686,7 +686,7 @@ __device__ __forceinline__ void solve_factored(int q, const T* A, T* vec, const 
       }
     }
     for (int k = q - 1; k >= 0; --k) {
-      const T xk = __shfl_sync(FULL_MASK, lane_register(vr, k) / lcol[k], k & 31);
+      const T xk = __shfl_sync(FULL_MASK, column_register(vr, k) / lcol[k], k & 31);
 #pragma unroll
       for (int m = 0; m < RH_SOLVE_ROWS; ++m) {
         if (32 * m > k) continue;  // warp-uniform: no row ≤ k here
@@ -885,18 +885,6 @@ rh_newton_solve_blocked(const T* __restrict__ C, const T* __restrict__ J,
 // info (k + 1 for the first non-positive pivot; then D = g).
 // Dynamic shared memory: (p·p + 4p + 2) values of T.
 // ---------------------------------------------------------------------------
-
-// This lane's register of row k in a column held as v[m] = row lane + 32m
-// (unrolled compares keep v in registers).
-template <int R, typename T>
-__device__ __forceinline__ T column_register(const T (&v)[R], int k) {
-  const int mk = k >> 5;
-  T mine = T(0);
-#pragma unroll
-  for (int m = 0; m < R; ++m)
-    if (m == mk) mine = v[m];
-  return mine;
-}
 
 // Column k's update of a column j > k: a_ij −= L_ik L_jk (li: this lane's rows
 // of column k, zero outside k < i ≤ q; ljk = L_jk). Branch-free: the rows
