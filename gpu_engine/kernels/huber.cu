@@ -1009,7 +1009,7 @@ __device__ __forceinline__ void newton_solve_columns(const T* __restrict__ C,
 
 // The instantiations by size: p ≤ 32, ≤ 96 and ≤ 128 (rows 0..p need
 // 32·R > p, columns 16·CPW ≥ p), one kernel name each for gpu_engine/kernels.py.
-#define RH_COLUMNS_KERNEL(NAME, R, P)                                                      \
+#define COLUMNS_KERNEL(NAME, R, P)                                                      \
   template <typename T>                                                                  \
   __global__ void __launch_bounds__(RH_SMALL_THREADS)                                    \
       NAME(const T* __restrict__ C, const T* __restrict__ J, const T* __restrict__ beta, \
@@ -1018,10 +1018,10 @@ __device__ __forceinline__ void newton_solve_columns(const T* __restrict__ C,
     newton_solve_columns<R, (P) / (RH_SMALL_THREADS / 32)>(C, J, beta, beta0, p, ctl, H, \
                                                             Hs, g, D);                   \
   }
-RH_COLUMNS_KERNEL(rh_newton_solve_columns_s, 2, 32)
-RH_COLUMNS_KERNEL(rh_newton_solve_columns_m, 4, 96)
-RH_COLUMNS_KERNEL(rh_newton_solve_columns_l, 5, 128)
-#undef RH_COLUMNS_KERNEL
+COLUMNS_KERNEL(rh_newton_solve_columns_s, 2, 32)
+COLUMNS_KERNEL(rh_newton_solve_columns_m, 4, 96)
+COLUMNS_KERNEL(rh_newton_solve_columns_l, 5, 128)
+#undef COLUMNS_KERNEL
 
 // ---------------------------------------------------------------------------
 // Newton, step 3: zdir = Z·D and, in the same pass, the remainder sums
