@@ -1008,20 +1008,33 @@ __device__ __forceinline__ void newton_solve_columns(const T* __restrict__ C,
 }
 
 // The instantiations by size: p ≤ 32, ≤ 96 and ≤ 128 (rows 0..p need
-// 32·R > p, columns 16·CPW ≥ p), one kernel name each for gpu_engine/kernels.py.
-#define COLUMNS_KERNEL(NAME, R, P)                                                      \
-  template <typename T>                                                                  \
-  __global__ void __launch_bounds__(RH_SMALL_THREADS)                                    \
-      NAME(const T* __restrict__ C, const T* __restrict__ J, const T* __restrict__ beta, \
-           const T* __restrict__ beta0, long long p, double* __restrict__ ctl,           \
-           T* __restrict__ H, T* __restrict__ Hs, T* __restrict__ g, T* __restrict__ D) {  \
-    newton_solve_columns<R, (P) / (RH_SMALL_THREADS / 32)>(C, J, beta, beta0, p, ctl, H, \
-                                                            Hs, g, D);                   \
-  }
-COLUMNS_KERNEL(rh_newton_solve_columns_s, 2, 32)
-COLUMNS_KERNEL(rh_newton_solve_columns_m, 4, 96)
-COLUMNS_KERNEL(rh_newton_solve_columns_l, 5, 128)
-#undef COLUMNS_KERNEL
+// 32·R > p, columns NW·CPW ≥ p).
+template <typename T>
+__global__ void __launch_bounds__(RH_SMALL_THREADS)
+rh_newton_solve_columns_s(const T* __restrict__ C, const T* __restrict__ J,
+                          const T* __restrict__ beta, const T* __restrict__ beta0, long long p,
+                          double* __restrict__ ctl, T* __restrict__ H, T* __restrict__ Hs,
+                          T* __restrict__ g, T* __restrict__ D) {
+  newton_solve_columns<2, 32 / (RH_SMALL_THREADS / 32)>(C, J, beta, beta0, p, ctl, H, Hs, g, D);
+}
+
+template <typename T>
+__global__ void __launch_bounds__(RH_SMALL_THREADS)
+rh_newton_solve_columns_m(const T* __restrict__ C, const T* __restrict__ J,
+                          const T* __restrict__ beta, const T* __restrict__ beta0, long long p,
+                          double* __restrict__ ctl, T* __restrict__ H, T* __restrict__ Hs,
+                          T* __restrict__ g, T* __restrict__ D) {
+  newton_solve_columns<4, 96 / (RH_SMALL_THREADS / 32)>(C, J, beta, beta0, p, ctl, H, Hs, g, D);
+}
+
+template <typename T>
+__global__ void __launch_bounds__(RH_SMALL_THREADS)
+rh_newton_solve_columns_l(const T* __restrict__ C, const T* __restrict__ J,
+                          const T* __restrict__ beta, const T* __restrict__ beta0, long long p,
+                          double* __restrict__ ctl, T* __restrict__ H, T* __restrict__ Hs,
+                          T* __restrict__ g, T* __restrict__ D) {
+  newton_solve_columns<5, 128 / (RH_SMALL_THREADS / 32)>(C, J, beta, beta0, p, ctl, H, Hs, g, D);
+}
 
 // ---------------------------------------------------------------------------
 // Newton, step 3: zdir = Z·D and, in the same pass, the remainder sums
