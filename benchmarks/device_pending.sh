@@ -8,6 +8,7 @@
 #   bash benchmarks/device_pending.sh pool    # pinned pool: fresh estimators, host vs device
 #   bash benchmarks/device_pending.sh loop    # Newton device loop and blocked Cholesky
 #   bash benchmarks/device_pending.sh columns # the register-column Cholesky (issue 16 item 4)
+#   bash benchmarks/device_pending.sh tiles   # the register-tile Cholesky against columns and cuSOLVER
 #   bash benchmarks/device_pending.sh wide    # grid kernels of wide designs, against the peer
 #   bash benchmarks/device_pending.sh sweep   # issue 16's judged sweep (all engines, auto, cold)
 #   bash benchmarks/device_pending.sh sweep-wide # the same sweep's wide designs, p = 512-2048
@@ -76,6 +77,19 @@ columns)
         --dtypes float32 float64 --penalties none --engines rh_gpu_device rh_gpu_hostloop \
         --repeats 20 --no-cold --gpu-option device_loop=auto \
         --output "$out/shape_sweep-columns-loop.json" 2>&1 | tail -8
+    ;;
+tiles)
+    # cholesky="tiles": its tests (bit identity of the device loop, the reference and
+    # cuSOLVER within the contract's tolerance at p = 17-201, singular factors, refused
+    # batches), the solve alone per factorisation (µs per launch), then the three Newton
+    # shapes per factorisation, host loop (target 0.55 ms per reference float32 batch).
+    python -m pytest -q -m gpu -rfs tests/test_gpu_device_loop.py tests/test_gpu_engine.py \
+        -k tiles 2>&1 | tail -15
+    python benchmarks/solve_probe.py --output "$out/solve_probe-tiles.json" 2>&1 | tail -8
+    python benchmarks/shape_sweep.py --shapes latency reference streaming \
+        --dtypes float32 float64 --penalties none --engines rh_gpu_device rh_gpu_cusolver \
+        rh_gpu_columns rh_gpu_tiles --repeats 20 --no-cold \
+        --output "$out/shape_sweep-tiles.json" 2>&1 | tail -8
     ;;
 wide)
     # Per-op profile (the iteration near GEMM + potrf, top ops GEMM/potrf, not rh_wide_*),

@@ -10,6 +10,8 @@ whole stream (empty state → last batch) is timed through:
                       unpenalised only)
 * ``rh_gpu_columns``  the same with ``cholesky="columns"`` (the factor's columns in registers,
                       p ≤ 128; unpenalised only)
+* ``rh_gpu_tiles``    the same with ``cholesky="tiles"`` (32-column tiles factored in one warp's
+                      registers; unpenalised only)
 * ``rh_gpu_hostloop`` the same with the Newton iterations driven by the host, one
                       synchronisation per iteration (``device_loop="off"``; unpenalised
                       only: does the device loop pay? It differs from ``rh_gpu_device`` only
@@ -232,7 +234,7 @@ def rh_gpu_steady(config, batches, runner, mode, gpu_options=None):
         options["cholesky"] = "kernel"
     elif mode == "hostloop":
         options["device_loop"] = "off"
-    elif mode in ("blocked", "columns"):
+    elif mode in ("blocked", "columns", "tiles"):
         options["cholesky"] = mode
     engine = GpuEngine(config, **options)
     if mode in (
@@ -243,6 +245,7 @@ def rh_gpu_steady(config, batches, runner, mode, gpu_options=None):
         "hostloop",
         "blocked",
         "columns",
+        "tiles",
     ):
         data = [(cp.asarray(X), cp.asarray(y)) for X, y in batches]
     elif mode == "pinned":
@@ -414,9 +417,10 @@ def sweep(args: argparse.Namespace) -> dict[str, Any]:
                     ("rh_gpu_hostloop", "hostloop"),
                     ("rh_gpu_blocked", "blocked"),
                     ("rh_gpu_columns", "columns"),
+                    ("rh_gpu_tiles", "tiles"),
                 ):
                     if (
-                        mode in ("cusolver", "kernel", "hostloop", "blocked", "columns")
+                        mode in ("cusolver", "kernel", "hostloop", "blocked", "columns", "tiles")
                         and config.penalised
                     ):
                         continue  # the Cholesky path only matters to Newton
@@ -629,6 +633,7 @@ def derive(
         "rh_gpu_kernel",
         "rh_gpu_blocked",
         "rh_gpu_columns",
+        "rh_gpu_tiles",
     ):
         median = _median(case, name)
         if median is not None:
@@ -796,6 +801,7 @@ ALL_ENGINES = (
     "rh_gpu_hostloop",
     "rh_gpu_blocked",
     "rh_gpu_columns",
+    "rh_gpu_tiles",
     "rh_gpu_host",
     "rh_gpu_host_serial",
     "rh_gpu_pinned",

@@ -6,8 +6,8 @@ holds an assembled system's inputs), then the solve step of one Newton
 iteration is launched on its own, eagerly, 100 times between two CUDA events,
 5 times: ``assemble`` (the one-block assembly kernel alone, the part every
 mode shares), ``cusolver`` (assembly + ``potrf``/``potrs``), and the one-block
-kernels ``kernel``, ``blocked`` and ``columns`` (assembly, factorisation and
-both triangular solves in one launch), and ``columns_noloop`` (the columns
+kernels ``kernel``, ``blocked``, ``columns`` and ``tiles`` (assembly,
+factorisation and both triangular solves in one launch), and ``columns_noloop`` (the columns
 kernel without its factorisation loop). Medians of the five per-launch means.
 
     PYTHONPATH=. python benchmarks/solve_probe.py [--output FILE]
@@ -29,7 +29,7 @@ from rh_dask import HuberConfig
 from rh_dask.datasets import StreamSpec
 
 SCHEMA = "rh-dask/bench/solve-probe/1"
-MODES = ("assemble", "cusolver", "kernel", "blocked", "columns", "columns_noloop")
+MODES = ("assemble", "cusolver", "kernel", "blocked", "columns", "columns_noloop", "tiles")
 
 #: ``columns_noloop``: the columns kernel compiled with its factorisation loop
 #: taken out (assembly, register loads, back substitution and writes only), so

@@ -86,7 +86,7 @@ class GpuEngine:
     copy_threads : int, default=4
         Threads that copy host (NumPy) batches into pinned staging memory
         (the process's, shared by the engines asking for as many).
-    cholesky : {"auto", "kernel", "blocked", "columns", "cusolver"}, default="auto"
+    cholesky : {"auto", "kernel", "blocked", "columns", "tiles", "cusolver"}, default="auto"
         How the Newton system is factorised. ``"cusolver"``: cuSOLVER
         ``potrf``/``potrs`` on a preallocated workspace. ``"kernel"``: the
         engine's fused one-block kernel (assembly, Cholesky and both
@@ -98,7 +98,11 @@ class GpuEngine:
         at p = 91. ``"columns"``: one block in which each warp holds its
         columns of the factor in registers and the right-hand side rides
         along as an extra row (one block barrier per column, the forward
-        solve made by the factorisation), for p ≤ 128. ``"auto"`` takes
+        solve made by the factorisation), for p ≤ 128. ``"tiles"``: one
+        block factorising 32-column tiles in one warp's registers (shuffles,
+        no barrier within a tile), the rows below a tile a thread each, and
+        the back substitution by tiles the same way, for p ≤ 256 where
+        shared memory holds the system. ``"auto"`` takes
         ``"columns"`` up to p = 33 and cuSOLVER above (see
         docs/gpu-engine.md for the measurements). An explicit one-block
         mode raises :class:`ValidationError` for a system it cannot hold.

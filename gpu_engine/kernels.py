@@ -43,6 +43,7 @@ KERNEL_NAMES: tuple[str, ...] = (
     "rh_newton_solve_columns_s",
     "rh_newton_solve_columns_m",
     "rh_newton_solve_columns_l",
+    "rh_newton_solve_tiles",
     "rh_newton_search",
     "rh_commit_eval",
     "rh_commit_finish",

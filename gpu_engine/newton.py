@@ -43,7 +43,7 @@ from .parts import DeviceParts
 AUTO_COLUMNS_MAX_P = 33
 
 #: The ways ``GpuEngine(cholesky=...)`` may factorise the Newton system.
-CHOLESKY_MODES = ("auto", "kernel", "blocked", "columns", "cusolver")
+CHOLESKY_MODES = ("auto", "kernel", "blocked", "columns", "tiles", "cusolver")
 
 #: ``cholesky="columns"``: the register-column kernels, each with the largest p
 #: it holds (its warps' registers hold columns 0..p−1 and rows 0..p).
@@ -61,7 +61,7 @@ class NewtonDriver:
     ----------
     parts : DeviceParts
         The engine's device-side collaborators.
-    cholesky : {"auto", "kernel", "blocked", "columns", "cusolver"}
+    cholesky : {"auto", "kernel", "blocked", "columns", "tiles", "cusolver"}
         How the Newton system is factorised (see :class:`GpuEngine`).
     loop : DeviceLoop or None
         Runs the iterations as a device loop where it is enabled (None: the
@@ -234,6 +234,9 @@ class NewtonDriver:
         if mode == "columns":
             name = next((kernel for top, kernel in COLUMNS_KERNELS if p <= top), None)
             shared, max_p = (p * p + 4 * p + 2) * item, COLUMNS_KERNELS[-1][0]
+        elif mode == "tiles":
+            name = "rh_newton_solve_tiles"
+            shared, max_p = (p * p + 4 * p) * item, 32 * layout.SOLVE_ROWS
         else:
             name = "rh_newton_solve_blocked" if mode == "blocked" else "rh_newton_solve"
             shared, max_p = (p * p + 2 * p) * item, 32 * layout.SOLVE_ROWS

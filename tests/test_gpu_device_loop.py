@@ -481,7 +481,7 @@ def _assert_bit_identical(config, batches, weights=None, **options):
 
 @gpu
 @needs_device
-@pytest.mark.parametrize("cholesky", ["auto", "kernel", "blocked", "columns", "cusolver"])
+@pytest.mark.parametrize("cholesky", ["auto", "kernel", "blocked", "columns", "tiles", "cusolver"])
 @pytest.mark.parametrize("dtype", ["float64", "float32"])
 @pytest.mark.parametrize(
     "features, sizes",
@@ -489,7 +489,7 @@ def _assert_bit_identical(config, batches, weights=None, **options):
     ids=["latency", "reference", "streaming", "wide"],
 )
 def test_device_loop_gives_the_host_loops_bits(features, sizes, dtype, cholesky):
-    if cholesky in ("kernel", "blocked", "columns") and features > 200:
+    if cholesky in ("kernel", "blocked", "columns", "tiles") and features > 200:
         pytest.skip("the one-block kernels hold the system in shared memory")
     config, batches = HuberConfig(dtype=dtype), _stream(features, sizes, dtype, 3)
     if _solves_with_cusolver(config, batches[0], cholesky):
@@ -534,7 +534,7 @@ def test_weighted_batches_without_intercept_give_the_same_bits(dtype):
 
 @gpu
 @needs_device
-@pytest.mark.parametrize("cholesky", ["kernel", "blocked", "columns", "cusolver"])
+@pytest.mark.parametrize("cholesky", ["kernel", "blocked", "columns", "tiles", "cusolver"])
 @pytest.mark.parametrize("dtype", ["float64", "float32"])
 @pytest.mark.parametrize("features", [6, 70])
 def test_singular_factors_exit_to_the_host_and_give_the_same_bits(features, dtype, cholesky):
@@ -608,7 +608,8 @@ def test_auto_uses_the_device_loop_and_graphs_off_the_host_loop():
 @gpu
 @needs_device
 @pytest.mark.parametrize(
-    "features, cholesky", [(16, "auto"), (90, "kernel"), (90, "blocked"), (90, "columns")]
+    "features, cholesky",
+    [(16, "auto"), (90, "kernel"), (90, "blocked"), (90, "columns"), (90, "tiles")],
 )
 def test_the_loop_body_holds_kernels_and_cublas_has_the_loops_workspace(features, cholesky):
     """What the conditional body may hold, and the cuBLAS workspace that keeps it so."""
@@ -660,12 +661,12 @@ TOL = {"float64": (1e-8, 2e-9), "float32": (3e-4, 3e-5)}
 
 @gpu
 @needs_device
-@pytest.mark.parametrize("cholesky", ["blocked", "columns"])
+@pytest.mark.parametrize("cholesky", ["blocked", "columns", "tiles"])
 @pytest.mark.parametrize("dtype", ["float64", "float32"])
 @pytest.mark.parametrize("features", [16, 31, 40, 90, 95, 96, 127])
 def test_the_one_block_cholesky_matches_the_reference_and_cusolver(features, dtype, cholesky):
-    """``"blocked"``: one to four 32-column panels, a partial last one; ``"columns"``:
-    each of its three kernels, at and below its largest p (p = features + 1)."""
+    """``"blocked"`` and ``"tiles"``: one to four 32-column panels, a partial last one;
+    ``"columns"``: each of its three kernels, at and below its largest p (p = features + 1)."""
     from rh_dask import NumpyEngine
 
     batches = _stream(features, [20000, 20000, 700], dtype, 12)
@@ -699,3 +700,24 @@ def test_the_columns_kernels_refuse_systems_past_their_size():
     with pytest.raises(NotFittedError):
         engine.export_state()
     engine.close()
+
+
+@gpu
+@needs_device
+@pytest.mark.parametrize("dtype, features", [("float64", 150), ("float32", 200)])
+def test_the_tiles_kernel_holds_systems_past_the_columns_kernels(dtype, features):
+    """Five and seven panels: the tiles kernel's only bound is shared memory."""
+    from rh_dask import NumpyEngine
+
+    batches = _stream(features, [6000, 6000], dtype, 14)
+    config = HuberConfig(dtype=dtype)
+    tiles, ref = gpu_engine.GpuEngine(config, cholesky="tiles"), NumpyEngine(config)
+    rtol, atol = TOL[dtype]
+    for X, y in batches:
+        tiles.partial_fit(cp.asarray(X), cp.asarray(y))
+        ref.partial_fit(X, y)
+        assert tiles._newton.small_solve
+        beta = tiles.coefficients().astype(np.float64)
+        other = np.asarray(ref.export_state().coefficients, dtype=np.float64)
+        assert np.all(np.abs(beta - other) <= atol + rtol * np.abs(other))
+    tiles.close()

@@ -552,7 +552,7 @@ def test_refused_batches_after_a_long_lamm_batch_change_nothing(dtype, graphs):
 
 
 @pytest.mark.parametrize("graphs", [True, False])
-@pytest.mark.parametrize("cholesky", ["kernel", "columns", "cusolver"])
+@pytest.mark.parametrize("cholesky", ["kernel", "columns", "tiles", "cusolver"])
 @pytest.mark.parametrize("dtype", ["float64", "float32"])
 def test_refused_batches_change_nothing_on_the_newton_paths(dtype, cholesky, graphs):
     """Unpenalised: the step graph's commit must not run for a refused batch.

@@ -372,7 +372,7 @@ __device__ __forceinline__ void lamm_steps(T* E, long long p, long long ldp,
 }
 
 // The Newton system at β (one block of RH_SMALL_THREADS threads):
-// H = (sym(C) + J)/N + ridge·I into H1 and H2, and
+// H = (sym(C) + J)/N + ridge·I into H1 (leading dimension ld1) and H2 (q), and
 // g = (JΔ − Zᵀwψ)/N − hist·s into g1 and g2 (Δ = β − β0, s = sign(β0)).
 template <typename T>
 __device__ __forceinline__ void assemble_system(int q, const T* __restrict__ C,
@@ -380,7 +380,7 @@ __device__ __forceinline__ void assemble_system(int q, const T* __restrict__ C,
                                                 const T* __restrict__ beta,
                                                 const T* __restrict__ beta0,
                                                 const double* __restrict__ ctl, T* H1, T* H2,
-                                                T* __restrict__ g1, T* g2) {
+                                                T* __restrict__ g1, T* g2, int ld1) {
   const T inv = (T)ctl[RH_P_INV_TOTAL], ridge = (T)ctl[RH_P_RIDGE], hist = (T)ctl[RH_P_HIST];
   const bool has_hist = ctl[RH_P_HAS_HIST] != 0.0;
   const int qq = q * q;
@@ -394,7 +394,7 @@ __device__ __forceinline__ void assemble_system(int q, const T* __restrict__ C,
       T h = C[hi + lo * q] + J[idx];
       h = h * inv;
       if (a == b) h = h + ridge;
-      H1[idx] = h;
+      H1[a + b * ld1] = h;
       H2[idx] = h;
     }
   }
@@ -561,7 +561,7 @@ rh_newton_assemble(const T* __restrict__ C, const T* __restrict__ J,
                    const T* __restrict__ beta, const T* __restrict__ beta0, long long p,
                    const double* __restrict__ ctl, T* __restrict__ H, T* __restrict__ Hs,
                    T* __restrict__ g, T* __restrict__ D) {
-  assemble_system((int)p, C, J, beta, beta0, ctl, H, Hs, g, D);
+  assemble_system((int)p, C, J, beta, beta0, ctl, H, Hs, g, D, (int)p);
 }
 
 // ---------------------------------------------------------------------------
@@ -652,6 +652,25 @@ rh_wide_lamm_symv(const T* __restrict__ J, long long p, long long ldp,
 }
 
 // ---------------------------------------------------------------------------
+// The outputs of the one-block Newton solves, after a block barrier: A (q×q,
+// leading dimension ld: L in its lower triangle) to H (leading dimension q),
+// vec (the solution, or g if the factorisation failed) to D, and the
+// factor's potrf-style status to ctl.
+template <typename T>
+__device__ __forceinline__ void publish_solve(int q, int ld, const T* A, const T* vec, int fail,
+                                              double* __restrict__ ctl, T* __restrict__ H,
+                                              T* __restrict__ D) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
+  for (int b = warp; b < q; b += nwarps)
+    for (int a = lane; a < q; a += 32) H[a + b * q] = A[a + b * ld];
+  for (int a = threadIdx.x; a < q; a += blockDim.x) D[a] = vec[a];
+  if (threadIdx.x == 0) {
+    int* ci = ctl_ints(ctl);
+    ci[RH_I_INFO] = fail;
+    ci[RH_I_INFO_SOLVE] = 0;
+  }
+}
+
 // The end of the one-block Newton solves, once A holds L (column-major, its
 // diagonal also in lcol) and vec the right-hand side: unless the factorisation
 // failed, L y = g (FORWARD; otherwise vec already holds y) and then Lᵀ x = y
@@ -663,7 +682,6 @@ __device__ __forceinline__ void solve_factored(int q, const T* A, T* vec, const 
                                                int fail, int lane, int warp,
                                                double* __restrict__ ctl, T* __restrict__ H,
                                                T* __restrict__ D) {
-  const int qq = q * q;
   if (warp == 0 && fail == 0) {
     // L y = g, then Lᵀ x = y, one warp, the right-hand side in registers
     T vr[RH_SOLVE_ROWS];
@@ -703,13 +721,7 @@ __device__ __forceinline__ void solve_factored(int q, const T* A, T* vec, const 
     }
   }
   __syncthreads();
-  for (int idx = threadIdx.x; idx < qq; idx += blockDim.x) H[idx] = A[idx];
-  for (int a = threadIdx.x; a < q; a += blockDim.x) D[a] = vec[a];
-  if (threadIdx.x == 0) {
-    int* ci = ctl_ints(ctl);
-    ci[RH_I_INFO] = fail;
-    ci[RH_I_INFO_SOLVE] = 0;
-  }
+  publish_solve(q, q, A, vec, fail, ctl, H, D);
 }
 
 // ---------------------------------------------------------------------------
@@ -735,9 +747,9 @@ rh_newton_solve(const T* __restrict__ C, const T* __restrict__ J,
   T* lcol = vec + p;                    // the diagonal of L
   __shared__ int s_fail;
   // 32-bit indices: p-space loops must not pay for 64-bit division.
-  const int q = (int)p, qq = q * q;
+  const int q = (int)p;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
-  assemble_system(q, C, J, beta, beta0, ctl, A, Hs, g, vec);
+  assemble_system(q, C, J, beta, beta0, ctl, A, Hs, g, vec, q);
   if (threadIdx.x == 0) s_fail = 0;
   __syncthreads();
   // Right-looking Cholesky with lane-owned rows: lane l of every warp owns
@@ -806,9 +818,9 @@ rh_newton_solve_blocked(const T* __restrict__ C, const T* __restrict__ J,
   T* vec = A + p * p;                   // right-hand side, then solution
   T* lcol = vec + p;                    // the diagonal of L
   __shared__ int s_fail;
-  const int q = (int)p, qq = q * q;
+  const int q = (int)p;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
-  assemble_system(q, C, J, beta, beta0, ctl, A, Hs, g, vec);
+  assemble_system(q, C, J, beta, beta0, ctl, A, Hs, g, vec, q);
   if (threadIdx.x == 0) s_fail = 0;
   __syncthreads();
   for (int k0 = 0; k0 < q; k0 += 32) {
@@ -942,7 +954,7 @@ __device__ __forceinline__ void newton_solve_columns(const T* __restrict__ C,
   __shared__ int s_fail[2];
   const int q = (int)p;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  assemble_system(q, C, J, beta, beta0, ctl, A, Hs, g, vec);
+  assemble_system(q, C, J, beta, beta0, ctl, A, Hs, g, vec, q);
   // this warp's columns j = warp + NW·c, rows 0..q (row q: g)
   T a[CPW][R];
 #pragma unroll
@@ -1034,6 +1046,203 @@ rh_newton_solve_columns_l(const T* __restrict__ C, const T* __restrict__ J,
                           double* __restrict__ ctl, T* __restrict__ H, T* __restrict__ Hs,
                           T* __restrict__ g, T* __restrict__ D) {
   newton_solve_columns<5, 128 / (RH_SMALL_THREADS / 32)>(C, J, beta, beta0, p, ctl, H, Hs, g, D);
+}
+
+// ---------------------------------------------------------------------------
+// Newton, step 2 in tiles of 32 columns whose serial steps run in one warp's
+// registers (one block of RH_SMALL_THREADS threads): the assembly of
+// rh_newton_assemble into A, whose extra row p holds g, so that the
+// factorisation also makes the forward solution (row p of column j becomes
+// y_j), then a right-looking Cholesky by panels of 32 columns:
+//  - warp 0 factors the panel's diagonal tile, lane l holding its row l in
+//    registers, with shuffles and no barrier (per column: the pivot, its
+//    square root, L_ij = a_ij · (1 / L_jj) as LAPACK's potf2 scales, and the
+//    tile's rank-one update);
+//  - one thread per row below the tile (row p included) solves its row
+//    against the tile, the row in registers;
+//  - a warp per trailing column subtracts the panel's product from it.
+// Three block barriers per panel. Then Lᵀ x = y by tiles from the last: warp
+// 0 solves the tile's rows in registers, the block subtracts their part from
+// the rows above. Same outputs as rh_newton_solve: L (lower, column-major; the
+// upper triangle the assembled H) in H, the assembled matrix in Hs, g, D and
+// the potrf-style info (k + 1 for the first non-positive pivot; then D = g).
+// Dynamic shared memory: (p·p + 4p) values of T.
+// ---------------------------------------------------------------------------
+
+// Factor the diagonal tile of rows and columns k0 .. k0 + kw − 1 (kw ≤ 32) of
+// A (leading dimension ld) in place, lane l holding row k0 + l: one column at
+// a time, warp shuffles only. Its diagonal and the reciprocals go to lcol and
+// rinv. Returns 0 or the potrf-style info of a non-positive pivot
+// (warp-uniform); a failed tile is not written back.
+template <typename T>
+__device__ __forceinline__ int tile_factor(T* A, int ld, int k0, int kw, T* lcol, T* rinv,
+                                           int lane) {
+  const int r = k0 + lane;
+  T t[32];
+#pragma unroll
+  for (int c = 0; c < 32; ++c) t[c] = (lane < kw && c <= lane) ? A[r + (k0 + c) * ld] : T(0);
+  int fail = 0;
+#pragma unroll
+  for (int j = 0; j < 32; ++j) {
+    if (j >= kw) break;
+    const T d = __shfl_sync(FULL_MASK, t[j], j);
+    if (!(d > T(0))) {  // the same pivot in every lane: a uniform exit
+      fail = k0 + j + 1;
+      break;
+    }
+    const T ljj = sqrtv(d);
+    const T inv = T(1) / ljj;
+    // lanes above j compute values of the upper triangle, never written back
+    const T lij = t[j] * inv;
+    t[j] = lane == j ? ljj : lij;
+    if (lane == j) {
+      lcol[k0 + j] = ljj;
+      rinv[k0 + j] = inv;
+    }
+#pragma unroll
+    for (int c = j + 1; c < 32; ++c) t[c] = t[c] - lij * __shfl_sync(FULL_MASK, lij, c);
+  }
+  if (fail == 0 && lane < kw) {
+#pragma unroll
+    for (int c = 0; c < 32; ++c)
+      if (c <= lane) A[r + (k0 + c) * ld] = t[c];
+  }
+  return fail;
+}
+
+// The rows k0 + kw .. q of A (row q: the right-hand side) against the
+// factored tile: L_ij = (a_ij − Σ_{c<j} L_ic L_jc) · (1 / L_jj), one thread
+// per row, column-oriented so that the updates of a column are independent.
+// The row goes through registers in two halves of 16 columns (32 values of
+// double would spill): the second half first takes the first half's updates,
+// in the same order as one pass would.
+template <typename T>
+__device__ __forceinline__ void panel_solve(T* A, int ld, int q, int k0, int kw, const T* rinv) {
+  constexpr int HALF = 16;
+  for (int i = k0 + kw + (int)threadIdx.x; i <= q; i += blockDim.x) {
+    T* row = A + i + k0 * ld;  // the row's column k0 + c at row[c * ld]
+#pragma unroll
+    for (int h = 0; h < 32; h += HALF) {
+      if (h >= kw) break;
+      const int hw = kw - h < HALF ? kw - h : HALF;
+      T x[HALF];
+#pragma unroll
+      for (int c = 0; c < HALF; ++c) x[c] = c < hw ? row[(h + c) * ld] : T(0);
+      for (int j = 0; j < h; ++j) {  // the first half's columns, solved
+        const T xj = row[j * ld];
+        const T* lj = A + k0 + h + (k0 + j) * ld;  // the same address in every lane
+#pragma unroll
+        for (int c = 0; c < HALF; ++c)
+          if (c < hw) x[c] = x[c] - lj[c] * xj;
+      }
+#pragma unroll
+      for (int j = 0; j < HALF; ++j) {
+        if (j >= hw) break;
+        x[j] = x[j] * rinv[k0 + h + j];
+        const T* lj = A + k0 + h + (k0 + h + j) * ld;
+#pragma unroll
+        for (int c = j + 1; c < HALF; ++c)
+          if (c < hw) x[c] = x[c] - lj[c] * x[j];
+      }
+#pragma unroll
+      for (int c = 0; c < HALF; ++c)
+        if (c < hw) row[(h + c) * ld] = x[c];
+    }
+  }
+}
+
+// a_ic −= Σ_j L_ij L_cj over the panel's columns k0 .. k0 + kw − 1, for the
+// trailing columns c ≥ k0 + kw and their rows c ≤ i ≤ q: a warp per column,
+// a lane per row.
+template <typename T>
+__device__ __forceinline__ void trailing_update(T* A, int ld, int q, int k0, int kw) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
+  for (int c = k0 + kw + warp; c < q; c += nwarps) {
+    for (int i = c + lane; i <= q; i += 32) {
+      T s = A[i + c * ld];
+#pragma unroll 8
+      for (int j = 0; j < kw; ++j) s = s - A[i + (k0 + j) * ld] * A[c + (k0 + j) * ld];
+      A[i + c * ld] = s;
+    }
+  }
+}
+
+// Lᵀ x = y in place in vec, tiles from the last: warp 0 solves the tile's
+// rows, lane l holding x_l and the tile's column l in registers (x_j = v_j ·
+// (1 / L_jj), then v_l −= L_jl x_j for l < j); then the block subtracts the
+// tile's part from the rows above it, a thread per row.
+template <typename T>
+__device__ __forceinline__ void tiles_back_solve(const T* A, int ld, int q, const T* rinv,
+                                                 T* vec) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  for (int k0 = ((q - 1) >> 5) << 5; k0 >= 0; k0 -= 32) {
+    const int kw = q - k0 < 32 ? q - k0 : 32;
+    if (warp == 0) {
+      T lt[32];  // L_(k0+j),(k0+lane) below the diagonal, else 0
+#pragma unroll
+      for (int j = 0; j < 32; ++j)
+        lt[j] = (j > lane && j < kw) ? A[k0 + j + (k0 + lane) * ld] : T(0);
+      T v = lane < kw ? vec[k0 + lane] : T(0);
+      const T rl = lane < kw ? rinv[k0 + lane] : T(0);
+#pragma unroll
+      for (int j = 31; j >= 0; --j) {
+        if (j >= kw) continue;
+        const T xj = __shfl_sync(FULL_MASK, v * rl, j);
+        v = lane == j ? xj : (lane < j ? v - lt[j] * xj : v);
+      }
+      if (lane < kw) vec[k0 + lane] = v;
+    }
+    __syncthreads();
+    for (int r = threadIdx.x; r < k0; r += blockDim.x) {
+      T s = vec[r];
+      for (int i = 0; i < kw; ++i) s = s - A[k0 + i + r * ld] * vec[k0 + i];
+      vec[r] = s;
+    }
+    __syncthreads();
+  }
+}
+
+template <typename T>
+__global__ void __launch_bounds__(RH_SMALL_THREADS)
+rh_newton_solve_tiles(const T* __restrict__ C, const T* __restrict__ J,
+                      const T* __restrict__ beta, const T* __restrict__ beta0, long long p,
+                      double* __restrict__ ctl, T* __restrict__ H, T* __restrict__ Hs,
+                      T* __restrict__ g, T* __restrict__ D) {
+  extern __shared__ double smem_d[];
+  const int q = (int)p, ld = q + 1;
+  T* A = reinterpret_cast<T*>(smem_d);  // rows 0..q of columns 0..q−1, column-major; row q: g
+  T* vec = A + ld * q;                  // g, then y, then the solution
+  T* lcol = vec + q;                    // the diagonal of L
+  T* rinv = lcol + q;                   // its reciprocals
+  __shared__ int s_fail;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  assemble_system(q, C, J, beta, beta0, ctl, A, Hs, g, vec, ld);
+  __syncthreads();
+  for (int j = threadIdx.x; j < q; j += blockDim.x) A[q + j * ld] = vec[j];
+  if (threadIdx.x == 0) s_fail = 0;
+  __syncthreads();
+  int fail = 0;
+  for (int k0 = 0; k0 < q; k0 += 32) {
+    const int kw = q - k0 < 32 ? q - k0 : 32;
+    if (warp == 0) {
+      const int f = tile_factor(A, ld, k0, kw, lcol, rinv, lane);
+      if (lane == 0) s_fail = f;
+    }
+    __syncthreads();
+    fail = s_fail;  // the same for every thread: a uniform exit
+    if (fail != 0) break;
+    panel_solve(A, ld, q, k0, kw, rinv);
+    __syncthreads();
+    trailing_update(A, ld, q, k0, kw);
+    __syncthreads();
+  }
+  if (fail == 0) {
+    for (int j = threadIdx.x; j < q; j += blockDim.x) vec[j] = A[q + j * ld];
+    __syncthreads();
+    tiles_back_solve(A, ld, q, rinv, vec);
+  }
+  __syncthreads();
+  publish_solve(q, ld, A, vec, fail, ctl, H, D);
 }
 
 // ---------------------------------------------------------------------------
