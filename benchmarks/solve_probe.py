@@ -7,8 +7,10 @@ iteration is launched on its own, eagerly, 100 times between two CUDA events,
 5 times: ``assemble`` (the one-block assembly kernel alone, the part every
 mode shares), ``cusolver`` (assembly + ``potrf``/``potrs``), and the one-block
 kernels ``kernel``, ``blocked``, ``columns`` and ``tiles`` (assembly,
-factorisation and both triangular solves in one launch), and ``columns_noloop`` (the columns
-kernel without its factorisation loop). Medians of the five per-launch means.
+factorisation and both triangular solves in one launch), ``columns_noloop``
+(the columns kernel without its factorisation loop) and ``assemble_strided``
+(the assembly with H's upper triangle read across the lanes from C's lower
+one: a strided read per element). Medians of the five per-launch means.
 
     PYTHONPATH=. python benchmarks/solve_probe.py [--output FILE]
 """
@@ -29,7 +31,16 @@ from rh_dask import HuberConfig
 from rh_dask.datasets import StreamSpec
 
 SCHEMA = "rh-dask/bench/solve-probe/1"
-MODES = ("assemble", "cusolver", "kernel", "blocked", "columns", "columns_noloop", "tiles")
+MODES = (
+    "assemble",
+    "assemble_strided",
+    "cusolver",
+    "kernel",
+    "blocked",
+    "columns",
+    "columns_noloop",
+    "tiles",
+)
 
 #: ``columns_noloop``: the columns kernel compiled with its factorisation loop
 #: taken out (assembly, register loads, back substitution and writes only), so
@@ -39,22 +50,44 @@ _NOLOOP = (
     "for (int k = 0; k < 0; ++k) {\n    fail = s_fail[k & 1];",
 )
 
+#: ``assemble_strided``: the assembly kernel with H's upper triangle read from
+#: C's lower one across the lanes (a strided read per element), as one pass,
+#: against ``assemble``'s coalesced reads through H1 (the same values).
+_STRIDED = (
+    """  for (int b = warp; b < q; b += nwarps) {
+    for (int a = b + lane; a < q; a += 32) {
+      const T c = C[a + b * q];
+      H1[a + b * ld1] = c;
+      H1[b + a * ld1] = c;
+    }
+  }
+  __syncthreads();
+  for (int b = warp; b < q; b += nwarps) {
+    for (int a = lane; a < q; a += 32) {
+      const int idx = a + b * q;
+      T h = H1[a + b * ld1] + J[idx];""",
+    """  for (int b = warp; b < q; b += nwarps) {
+    for (int a = lane; a < q; a += 32) {
+      const int idx = a + b * q;
+      const int hi = a > b ? a : b, lo = a > b ? b : a;
+      T h = C[hi + lo * q] + J[idx];""",
+)
 
-def _noloop_body(cp: Any, engine: Any, p: int):
-    from gpu_engine import kernels, layout, newton
+
+def _variant_body(cp: Any, engine: Any, p: int, name: str, shared: int, change: tuple):
+    """One launch of kernel ``name`` compiled from the source with ``change`` made."""
+    from gpu_engine import kernels, layout
 
     ws, stream = engine._ws, engine._newton._parts.stream
     source = kernels.SOURCE.read_text()
-    if source.count(_NOLOOP[0]) != 1:
-        raise RuntimeError("the columns kernel's loop is not where the probe expects it")
-    code = layout.cuda_defines() + source.replace(*_NOLOOP)
+    if source.count(change[0]) != 1:
+        raise RuntimeError(f"{name}: the code to change is not where the probe expects it")
+    code = layout.cuda_defines() + source.replace(*change)
     ctype = "float" if ws.item == 4 else "double"
-    name = next(k for top, k in newton.COLUMNS_KERNELS if p <= top)
     module = cp.RawModule(
         code=code, options=kernels.COMPILE_OPTIONS, name_expressions=[f"{name}<{ctype}>"]
     )
     kernel = module.get_function(f"{name}<{ctype}>")
-    shared = (p * p + 4 * p + 2) * ws.item
     kernel.max_dynamic_shared_size_bytes = shared
     args = (ws.C, ws.J, ws.beta_work, ws.beta, np.int64(p), ws.ctl, ws.H, ws.Hs, ws.g, ws.D)
 
@@ -76,10 +109,15 @@ def _solve_body(engine: Any, mode: str, p: int):
 
     if mode == "assemble":
         return assemble
-    if mode == "columns_noloop":
+    if mode in ("columns_noloop", "assemble_strided"):
         import cupy as cp
 
-        return _noloop_body(cp, engine, p)
+        from gpu_engine import newton
+
+        if mode == "assemble_strided":
+            return _variant_body(cp, engine, p, "rh_newton_assemble", 0, _STRIDED)
+        name = next(k for top, k in newton.COLUMNS_KERNELS if p <= top)
+        return _variant_body(cp, engine, p, name, (p * p + 4 * p + 2) * ws.item, _NOLOOP)
     if mode == "cusolver":
 
         def body() -> None:

@@ -385,13 +385,21 @@ __device__ __forceinline__ void assemble_system(int q, const T* __restrict__ C,
   const bool has_hist = ctl[RH_P_HAS_HIST] != 0.0;
   const int qq = q * q;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
+  // GEMM rounds C[a,b] and C[b,a] differently: C's lower triangle goes to both
+  // triangles of H1 first, so that H is exactly symmetric, like the reference's
+  // SYRK, and every read of C is coalesced.
+  for (int b = warp; b < q; b += nwarps) {
+    for (int a = b + lane; a < q; a += 32) {
+      const T c = C[a + b * q];
+      H1[a + b * ld1] = c;
+      H1[b + a * ld1] = c;
+    }
+  }
+  __syncthreads();
   for (int b = warp; b < q; b += nwarps) {
     for (int a = lane; a < q; a += 32) {
       const int idx = a + b * q;
-      const int hi = a > b ? a : b, lo = a > b ? b : a;
-      // GEMM rounds C[a,b] and C[b,a] differently: take the lower triangle so
-      // that H is exactly symmetric, like the reference's SYRK.
-      T h = C[hi + lo * q] + J[idx];
+      T h = H1[a + b * ld1] + J[idx];
       h = h * inv;
       if (a == b) h = h + ridge;
       H1[a + b * ld1] = h;
