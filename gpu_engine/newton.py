@@ -1,7 +1,7 @@
 """The unpenalised solve on the device: Newton with monotone backtracking.
 
 One step graph per iteration: the Cholesky solve of the Newton system
-(a one-block kernel for small p, by default ``rh_newton_solve_columns_*``, else
+(a one-block kernel for small p, by default ``rh_newton_solve_tiles``, else
 ``rh_newton_assemble`` + cuSOLVER ``potrf``/``potrs``; for wide designs,
 p ≥ ``layout.WIDE_MIN_P``, the assembly and the products with J are grid
 kernels, ``rh_wide_symv`` and ``rh_wide_assemble``), ``rh_newton_search``
@@ -35,12 +35,13 @@ from .inputs import raise_if_invalid
 from .launch import LoopGraph
 from .parts import DeviceParts
 
-#: ``cholesky="auto"`` takes the register-column kernels (``"columns"``) up to
-#: this p and cuSOLVER above it. Measured on an H100 machine, ms per stream,
-#: host loop (benchmarks/results/shape_sweep-h100-branch-free.json): columns
-#: against cuSOLVER 0.40 / 0.48 at p = 17 and 6.35 / 6.72 at p = 33 (float32),
-#: 3.57 / 3.29 at p = 91 (float32; even in float64, 4.47 / 4.48).
-AUTO_COLUMNS_MAX_P = 33
+#: ``cholesky="auto"`` takes the register-tile kernel (``"tiles"``) up to this
+#: p and cuSOLVER above it. Measured on an H100 machine
+#: (benchmarks/results/solve_probe-h100-tiles.json, µs per solve, float32):
+#: tiles 13.8 / 21.4 / 51.0 / 75.7 at p = 17 / 33 / 91 / 128, against the
+#: register-column kernel 16.9 / 35.0 / 96.9 / 161 and cuSOLVER with its
+#: assembly 53 / 55 / 84 / 93 (float64 alike); past p = 128 it is not measured.
+AUTO_TILES_MAX_P = 128
 
 #: The ways ``GpuEngine(cholesky=...)`` may factorise the Newton system.
 CHOLESKY_MODES = ("auto", "kernel", "blocked", "columns", "tiles", "cusolver")
@@ -227,9 +228,9 @@ class NewtonDriver:
         if mode == "cusolver":
             return False
         if mode == "auto":
-            if p > AUTO_COLUMNS_MAX_P:
+            if p > AUTO_TILES_MAX_P:
                 return False
-            mode = "columns"
+            mode = "tiles"
         item = self._parts.ws.item
         if mode == "columns":
             name = next((kernel for top, kernel in COLUMNS_KERNELS if p <= top), None)

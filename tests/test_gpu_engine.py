@@ -774,7 +774,7 @@ def test_strict_ieee_math_mode():
     assert engine.cublas_math_mode == 0  # CUBLAS_DEFAULT_MATH: no TF32
 
 
-@pytest.mark.parametrize("cholesky", ["kernel", "cusolver"])
+@pytest.mark.parametrize("cholesky", ["kernel", "tiles", "cusolver"])
 @pytest.mark.parametrize("dtype", ["float64", "float32"])
 def test_both_cholesky_paths_match_the_reference(cholesky, dtype):
     batches = _stream(90, [4096, 4096, 1500], dtype, seed=12)
@@ -792,7 +792,7 @@ def test_both_cholesky_paths_match_the_reference(cholesky, dtype):
             )
         _assert_states_close(s_gpu, s_ref, dtype, f"batch {i}", noise)
         assert d_gpu.converged == d_ref.converged
-    assert gpu._newton.small_solve == (cholesky == "kernel")
+    assert gpu._newton.small_solve == (cholesky != "cusolver")
 
 
 def test_pinned_pool_copies_reuses_and_feeds_the_engine_bit_identically():
