@@ -8,11 +8,8 @@ iteration is launched on its own, eagerly, 100 times between two CUDA events,
 mode shares), ``cusolver`` (assembly + ``potrf``/``potrs``), and the one-block
 kernels ``kernel``, ``blocked``, ``columns`` and ``tiles`` (assembly,
 factorisation and both triangular solves in one launch), ``columns_noloop``
-(the columns kernel without its factorisation loop), and the assembly's two
-ways of reading C's lower triangle for H's upper one: ``assemble_mirror``
-(the assembly kernel copying it first, as the one-block kernels do) and
-``tiles_strided`` (the tiles kernel reading across the lanes, as the assembly
-kernel does). Medians of the five per-launch means.
+(the columns kernel without its factorisation loop). Medians of the five
+per-launch means.
 
     PYTHONPATH=. python benchmarks/solve_probe.py [--output FILE]
 """
@@ -35,14 +32,12 @@ from rh_dask.datasets import StreamSpec
 SCHEMA = "rh-dask/bench/solve-probe/1"
 MODES = (
     "assemble",
-    "assemble_mirror",
     "cusolver",
     "kernel",
     "blocked",
     "columns",
     "columns_noloop",
     "tiles",
-    "tiles_strided",
 )
 
 #: ``columns_noloop``: the columns kernel compiled with its factorisation loop
@@ -52,13 +47,6 @@ _NOLOOP = (
     "for (int k = 0; k < q; ++k) {\n    fail = s_fail[k & 1];",
     "for (int k = 0; k < 0; ++k) {\n    fail = s_fail[k & 1];",
 )
-
-#: ``assemble_mirror``: the assembly kernel copying C's lower triangle to both
-#: triangles of H first (coalesced reads of C, strided writes of H), as the
-#: one-block kernels do in shared memory; ``tiles_strided``: the tiles kernel
-#: reading H's upper triangle across the lanes from C instead.
-_MIRROR = ("ctl, H, Hs, g, D, (int)p, false);", "ctl, H, Hs, g, D, (int)p, true);")
-_TILES_STRIDED = ("ctl, A, Hs, g, vec, ld, true);", "ctl, A, Hs, g, vec, ld, false);")
 
 
 def _variant_body(cp: Any, engine: Any, p: int, name: str, shared: int, change: tuple):
@@ -96,16 +84,11 @@ def _solve_body(engine: Any, mode: str, p: int):
 
     if mode == "assemble":
         return assemble
-    if mode in ("columns_noloop", "assemble_mirror", "tiles_strided"):
+    if mode == "columns_noloop":
         import cupy as cp
 
         from gpu_engine import newton
 
-        if mode == "assemble_mirror":
-            return _variant_body(cp, engine, p, "rh_newton_assemble", 0, _MIRROR)
-        if mode == "tiles_strided":
-            shared = (p * p + 4 * p) * ws.item
-            return _variant_body(cp, engine, p, "rh_newton_solve_tiles", shared, _TILES_STRIDED)
         name = next(k for top, k in newton.COLUMNS_KERNELS if p <= top)
         return _variant_body(cp, engine, p, name, (p * p + 4 * p + 2) * ws.item, _NOLOOP)
     if mode == "cusolver":

@@ -380,32 +380,18 @@ __device__ __forceinline__ void assemble_system(int q, const T* __restrict__ C,
                                                 const T* __restrict__ beta,
                                                 const T* __restrict__ beta0,
                                                 const double* __restrict__ ctl, T* H1, T* H2,
-                                                T* __restrict__ g1, T* g2, int ld1,
-                                                bool mirror) {
+                                                T* __restrict__ g1, T* g2, int ld1) {
   const T inv = (T)ctl[RH_P_INV_TOTAL], ridge = (T)ctl[RH_P_RIDGE], hist = (T)ctl[RH_P_HIST];
   const bool has_hist = ctl[RH_P_HAS_HIST] != 0.0;
   const int qq = q * q;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
-  // GEMM rounds C[a,b] and C[b,a] differently: H takes C's lower triangle in
-  // both triangles, so that it is exactly symmetric like the reference's SYRK.
-  // `mirror` (H1 in shared memory): C's lower triangle is copied to both
-  // triangles of H1 first, so that every read of C is coalesced; otherwise
-  // the upper triangle reads C across the lanes.
-  if (mirror) {
-    for (int b = warp; b < q; b += nwarps) {
-      for (int a = b + lane; a < q; a += 32) {
-        const T c = C[a + b * q];
-        H1[a + b * ld1] = c;
-        H1[b + a * ld1] = c;
-      }
-    }
-    __syncthreads();
-  }
   for (int b = warp; b < q; b += nwarps) {
     for (int a = lane; a < q; a += 32) {
       const int idx = a + b * q;
       const int hi = a > b ? a : b, lo = a > b ? b : a;
-      T h = (mirror ? H1[a + b * ld1] : C[hi + lo * q]) + J[idx];
+      // GEMM rounds C[a,b] and C[b,a] differently: take the lower triangle so
+      // that H is exactly symmetric, like the reference's SYRK.
+      T h = C[hi + lo * q] + J[idx];
       h = h * inv;
       if (a == b) h = h + ridge;
       H1[a + b * ld1] = h;
@@ -575,7 +561,7 @@ rh_newton_assemble(const T* __restrict__ C, const T* __restrict__ J,
                    const T* __restrict__ beta, const T* __restrict__ beta0, long long p,
                    const double* __restrict__ ctl, T* __restrict__ H, T* __restrict__ Hs,
                    T* __restrict__ g, T* __restrict__ D) {
-  assemble_system((int)p, C, J, beta, beta0, ctl, H, Hs, g, D, (int)p, false);
+  assemble_system((int)p, C, J, beta, beta0, ctl, H, Hs, g, D, (int)p);
 }
 
 // ---------------------------------------------------------------------------
@@ -763,7 +749,7 @@ rh_newton_solve(const T* __restrict__ C, const T* __restrict__ J,
   // 32-bit indices: p-space loops must not pay for 64-bit division.
   const int q = (int)p;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
-  assemble_system(q, C, J, beta, beta0, ctl, A, Hs, g, vec, q, true);
+  assemble_system(q, C, J, beta, beta0, ctl, A, Hs, g, vec, q);
   if (threadIdx.x == 0) s_fail = 0;
   __syncthreads();
   // Right-looking Cholesky with lane-owned rows: lane l of every warp owns
@@ -834,7 +820,7 @@ rh_newton_solve_blocked(const T* __restrict__ C, const T* __restrict__ J,
   __shared__ int s_fail;
   const int q = (int)p;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
-  assemble_system(q, C, J, beta, beta0, ctl, A, Hs, g, vec, q, true);
+  assemble_system(q, C, J, beta, beta0, ctl, A, Hs, g, vec, q);
   if (threadIdx.x == 0) s_fail = 0;
   __syncthreads();
   for (int k0 = 0; k0 < q; k0 += 32) {
@@ -968,7 +954,7 @@ __device__ __forceinline__ void newton_solve_columns(const T* __restrict__ C,
   __shared__ int s_fail[2];
   const int q = (int)p;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  assemble_system(q, C, J, beta, beta0, ctl, A, Hs, g, vec, q, true);
+  assemble_system(q, C, J, beta, beta0, ctl, A, Hs, g, vec, q);
   // this warp's columns j = warp + NW·c, rows 0..q (row q: g)
   T a[CPW][R];
 #pragma unroll
@@ -1230,7 +1216,7 @@ rh_newton_solve_tiles(const T* __restrict__ C, const T* __restrict__ J,
   T* rinv = lcol + q;                   // its reciprocals
   __shared__ int s_fail;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  assemble_system(q, C, J, beta, beta0, ctl, A, Hs, g, vec, ld, true);
+  assemble_system(q, C, J, beta, beta0, ctl, A, Hs, g, vec, ld);
   __syncthreads();
   for (int j = threadIdx.x; j < q; j += blockDim.x) A[q + j * ld] = vec[j];
   if (threadIdx.x == 0) s_fail = 0;
