@@ -103,7 +103,8 @@ class GpuEngine:
         no barrier within a tile), the rows below a tile a thread each, and
         the back substitution by tiles the same way, for p ≤ 256 where
         shared memory holds the system. ``"auto"`` takes
-        ``"tiles"`` up to p = 128 and cuSOLVER above (see
+        ``"columns"`` up to p = 33, ``"tiles"`` up to p = 128 and cuSOLVER
+        above (see
         docs/gpu-engine.md for the measurements). An explicit one-block
         mode raises :class:`ValidationError` for a system it cannot hold.
         The LU and minimum-norm fallbacks always use cuSOLVER.

@@ -1,7 +1,8 @@
 """The unpenalised solve on the device: Newton with monotone backtracking.
 
 One step graph per iteration: the Cholesky solve of the Newton system
-(a one-block kernel for small p, by default ``rh_newton_solve_tiles``, else
+(a one-block kernel for small p, by default ``rh_newton_solve_columns_*`` or
+``rh_newton_solve_tiles``, else
 ``rh_newton_assemble`` + cuSOLVER ``potrf``/``potrs``; for wide designs,
 p ≥ ``layout.WIDE_MIN_P``, the assembly and the products with J are grid
 kernels, ``rh_wide_symv`` and ``rh_wide_assemble``), ``rh_newton_search``
@@ -35,12 +36,17 @@ from .inputs import raise_if_invalid
 from .launch import LoopGraph
 from .parts import DeviceParts
 
-#: ``cholesky="auto"`` takes the register-tile kernel (``"tiles"``) up to this
-#: p and cuSOLVER above it. Measured on an H100 machine
-#: (benchmarks/results/solve_probe-h100-tiles.json, µs per solve, float32):
-#: tiles 13.8 / 21.4 / 51.0 / 75.7 at p = 17 / 33 / 91 / 128, against the
-#: register-column kernel 16.9 / 35.0 / 96.9 / 161 and cuSOLVER with its
-#: assembly 53 / 55 / 84 / 93 (float64 alike); past p = 128 it is not measured.
+#: ``cholesky="auto"`` takes the register-column kernels (``"columns"``) up to
+#: AUTO_COLUMNS_MAX_P, the register-tile kernel (``"tiles"``) up to
+#: AUTO_TILES_MAX_P and cuSOLVER above. Measured on an H100 machine, ms per
+#: batch, host loop (benchmarks/results/shape_sweep-h100-tiles-2.json and
+#: shape_sweep-h100-tiles-auto.json): at p = 91 tiles 0.72-0.74 against
+#: cuSOLVER 0.86-0.87 and columns 0.90-0.92 (float32), 0.97-0.98 against
+#: 1.04 and 1.07 (float64); at p = 33 columns 0.453-0.456 against tiles
+#: 0.480-0.485 in float64 and 0.390 against 0.375-0.378 in float32; at p = 17
+#: within 1 %. The solve alone (solve_probe-h100-tiles.json, float32 µs): tiles
+#: 75.7 against cuSOLVER's 92.8 at p = 128; past it, not measured.
+AUTO_COLUMNS_MAX_P = 33
 AUTO_TILES_MAX_P = 128
 
 #: The ways ``GpuEngine(cholesky=...)`` may factorise the Newton system.
@@ -230,7 +236,7 @@ class NewtonDriver:
         if mode == "auto":
             if p > AUTO_TILES_MAX_P:
                 return False
-            mode = "tiles"
+            mode = "columns" if p <= AUTO_COLUMNS_MAX_P else "tiles"
         item = self._parts.ws.item
         if mode == "columns":
             name = next((kernel for top, kernel in COLUMNS_KERNELS if p <= top), None)
