@@ -137,23 +137,3 @@ def test_partial_fit_stream_prefetches_one_batch_ahead_with_or_without_weights()
         ("views", "c", None),
         ("fit", "c", None),
     ]
-
-
-@pytest.mark.parametrize("p", [1, 2, 3, 4, 5, 8, 17, 33, 91, 92, 127, 128])
-def test_the_gram_tiles_cover_the_lower_triangle_and_gradient_once(p):
-    """``layout.gram_tiles`` sizes the Gram kernels' block sums: the 4×4 tiles of C
-    (p × (p+1)) that hold an entry of sym(C)'s lower triangle or of column p."""
-    needed = {(a // 4, b // 4) for a in range(p) for b in range(p + 1) if b == p or a >= b}
-    assert layout.gram_tiles(p) == len(needed)
-    assert layout.gram_tiles(layout.GRAM_MAX_P) <= layout.GRAM_MAX_THREADS
-
-
-@pytest.mark.parametrize("n", [1, 31, 32, 33, 4133, 32768, 1_000_000])
-@pytest.mark.parametrize("max_grid", [1, 7, 264])
-def test_the_gram_grid_covers_the_rows_in_whole_stages(n, max_grid):
-    from gpu_engine.commit import gram_grid
-
-    blocks, per_block = gram_grid(max_grid, n)
-    assert 1 <= blocks <= max_grid
-    assert per_block % layout.GRAM_ROWS == 0
-    assert (blocks - 1) * per_block < n <= blocks * per_block
