@@ -9,7 +9,6 @@
 #   bash benchmarks/device_pending.sh loop    # Newton device loop and blocked Cholesky
 #   bash benchmarks/device_pending.sh columns # the register-column Cholesky (issue 16 item 4)
 #   bash benchmarks/device_pending.sh tiles   # the register-tile Cholesky against columns and cuSOLVER
-#   bash benchmarks/device_pending.sh gram    # the Gram kernels against the cuBLAS GEMM
 #   bash benchmarks/device_pending.sh wide    # grid kernels of wide designs, against the peer
 #   bash benchmarks/device_pending.sh sweep   # issue 16's judged sweep (all engines, auto, cold)
 #   bash benchmarks/device_pending.sh sweep-wide # the same sweep's wide designs, p = 512-2048
@@ -91,20 +90,6 @@ tiles)
         --dtypes float32 float64 --penalties none --engines rh_gpu_device rh_gpu_cusolver \
         rh_gpu_columns rh_gpu_tiles --repeats 20 --no-cold \
         --output "$out/shape_sweep-tiles.json" 2>&1 | tail -8
-    ;;
-gram)
-    # gram="kernel" (the default where p <= 128): its tests (the reference at p = 2-128,
-    # weighted, fixed bits, the gated L1 commit), the device loop's bits with it, then ms
-    # per batch against gram="cublas" (rh_gpu_gemm) on the three Newton shapes and L1
-    # (target 0.55 ms per reference float32 batch), then the whole GPU suite.
-    python -m pytest -q -m gpu -rfs tests/test_gpu_engine.py -k "gram or duplicate or rank" \
-        2>&1 | tail -8
-    python -m pytest -q -m gpu -rfs tests/test_gpu_device_loop.py -k "host_loops_bits" \
-        2>&1 | tail -6
-    python benchmarks/shape_sweep.py --shapes latency reference streaming \
-        --dtypes float32 float64 --penalties none l1 --engines rh_gpu_device rh_gpu_gemm \
-        --repeats 20 --no-cold --output "$out/shape_sweep-gram.json" 2>&1 | tail -14
-    timeout 300 python -m pytest -q -m gpu -rfs -x tests/ 2>&1 | tail -12
     ;;
 wide)
     # Per-op profile (the iteration near GEMM + potrf, top ops GEMM/potrf, not rh_wide_*),

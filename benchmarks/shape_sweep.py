@@ -12,8 +12,6 @@ whole stream (empty state → last batch) is timed through:
                       p ≤ 128; unpenalised only)
 * ``rh_gpu_tiles``    the same with ``cholesky="tiles"`` (32-column tiles factored in one warp's
                       registers; unpenalised only)
-* ``rh_gpu_gemm``     the same with ``gram="cublas"`` (the row pass writes M and one cuBLAS GEMM
-                      makes the Gram matrix, instead of the engine's Gram kernels)
 * ``rh_gpu_hostloop`` the same with the Newton iterations driven by the host, one
                       synchronisation per iteration (``device_loop="off"``; unpenalised
                       only: does the device loop pay? It differs from ``rh_gpu_device`` only
@@ -236,8 +234,6 @@ def rh_gpu_steady(config, batches, runner, mode, gpu_options=None):
         options["cholesky"] = "kernel"
     elif mode == "hostloop":
         options["device_loop"] = "off"
-    elif mode == "gemm":
-        options["gram"] = "cublas"
     elif mode in ("blocked", "columns", "tiles"):
         options["cholesky"] = mode
     engine = GpuEngine(config, **options)
@@ -422,7 +418,6 @@ def sweep(args: argparse.Namespace) -> dict[str, Any]:
                     ("rh_gpu_blocked", "blocked"),
                     ("rh_gpu_columns", "columns"),
                     ("rh_gpu_tiles", "tiles"),
-                    ("rh_gpu_gemm", "gemm"),
                 ):
                     if (
                         mode in ("cusolver", "kernel", "hostloop", "blocked", "columns", "tiles")
@@ -639,7 +634,6 @@ def derive(
         "rh_gpu_blocked",
         "rh_gpu_columns",
         "rh_gpu_tiles",
-        "rh_gpu_gemm",
     ):
         median = _median(case, name)
         if median is not None:
@@ -808,7 +802,6 @@ ALL_ENGINES = (
     "rh_gpu_blocked",
     "rh_gpu_columns",
     "rh_gpu_tiles",
-    "rh_gpu_gemm",
     "rh_gpu_host",
     "rh_gpu_host_serial",
     "rh_gpu_pinned",

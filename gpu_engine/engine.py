@@ -31,7 +31,6 @@ from rh_dask.state import BatchDiagnostics, HuberState
 
 from ._cuda import import_cupy, resolve_device
 from .batch import BatchRunner, run_to_end
-from .commit import GRAM_MODES
 from .device_loop import DEVICE_LOOP_MODES, DeviceLoop
 from .driver import DriverCalls
 from .grid import DeviceGrid
@@ -145,18 +144,6 @@ class GpuEngine:
         one-block kernels (1e-16 to 3e-14 apart, relative, at p = 601 on an
         H200), within the contract's tolerances; 1.5-2.6x faster per float64
         stream at p = 512-2048. False keeps the one-block kernels.
-    gram : {"auto", "kernel", "cublas"}, default="auto"
-        How each iteration's Gram matrix and gradient C = Zᵀ[wκ ⊙ Z | wψ]
-        are made. ``"cublas"``: the row pass writes the scaled rows M and one
-        cuBLAS GEMM multiplies. ``"kernel"``: the row pass writes only each
-        row's two factors, and the engine's Gram kernels form M's rows from
-        Z in shared memory and make only the lower triangle and the gradient
-        column, each block a range of rows, the blocks added in block order
-        (other bits than the GEMM's, within the contract's tolerances), for
-        p ≤ 128 (``layout.GRAM_MAX_P``; cuBLAS above). ``"auto"`` takes
-        ``"kernel"`` where it applies (docs/gpu-engine.md for the
-        measurements). The commit's Gram kernels are gated: no-ops until the
-        commit is due, where the GEMM ran after every L1 queue.
     pinned_idle_bytes : int, optional
         The most bytes of pinned staging memory the process keeps idle for
         the device's next engine (:mod:`gpu_engine.host_pool`); it bounds
@@ -169,7 +156,7 @@ class GpuEngine:
     ValidationError
         When ``graphs``, ``hold_gil``, ``score_variance``, ``diagnostics`` or
         ``wide_kernels`` is not a bool,
-        ``cholesky``, ``gram`` or ``device_loop`` is not one of its choices,
+        ``cholesky`` or ``device_loop`` is not one of its choices,
         ``device_loop="on"`` comes with ``graphs=False``, or
         ``pinned_idle_bytes`` is not a whole number >= 0.
     EngineUnavailableError
@@ -200,7 +187,6 @@ class GpuEngine:
         device_loop: str = "off",
         pinned_idle_bytes: int | None = None,
         wide_kernels: bool = True,
-        gram: str = "auto",
     ) -> None:
         graphs = _check_flag("graphs", graphs)
         wide_kernels = _check_flag("wide_kernels", wide_kernels)
@@ -224,12 +210,6 @@ class GpuEngine:
                 + ", ".join(repr(mode) for mode in CHOLESKY_MODES)
                 + f", got {cholesky!r}"
             )
-        if not isinstance(gram, str) or gram not in GRAM_MODES:
-            raise ValidationError(
-                "gram must be one of "
-                + ", ".join(repr(mode) for mode in GRAM_MODES)
-                + f", got {gram!r}"
-            )
         if not isinstance(device_loop, str) or device_loop not in DEVICE_LOOP_MODES:
             raise ValidationError(
                 f"device_loop must be 'auto', 'on' or 'off', got {device_loop!r}"
@@ -252,9 +232,7 @@ class GpuEngine:
             self._loop = DeviceLoop(cp, self._device_id, self._calls, stream, device_loop, graphs)
             self._dense = DenseSolver(cp, self._device_id, stream, self._dtype)
             max_grid = BLOCKS_PER_SM * kernels.multiprocessors
-            self._ws = Workspace(
-                cp, self._dtype, max_grid, wide_kernels=wide_kernels, gram_kernel=gram != "cublas"
-            )
+            self._ws = Workspace(cp, self._dtype, max_grid, wide_kernels=wide_kernels)
             self._host_pool = device_pool(cp, self._device_id)
             if pinned_idle_bytes is not None:
                 self._host_pool.max_idle_bytes = int(pinned_idle_bytes)

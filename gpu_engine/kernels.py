@@ -37,8 +37,6 @@ COMPILE_OPTIONS: tuple[str, ...] = (
 KERNEL_NAMES: tuple[str, ...] = (
     "rh_build",
     "rh_newton_eval",
-    "rh_gram_rows",
-    "rh_gram_reduce",
     "rh_newton_assemble",
     "rh_newton_solve",
     "rh_newton_solve_blocked",

@@ -84,26 +84,12 @@ SMALL_THREADS = 512
 WIDE_MIN_P = 256
 #: Threads of the tile kernels of wide designs (32×32 tiles, 8 rows at a time).
 WIDE_THREADS = 256
-#: The Gram kernels (``rh_gram_rows``, ``rh_gram_reduce``): rows staged in shared
-#: memory at a time, the most threads of a block (one per 4×4 tile of C: p ≤
-#: GRAM_MAX_P needs at most 560), and the threads that add one entry's block sums.
-GRAM_ROWS = 32
-GRAM_MAX_THREADS = 640
-GRAM_MAX_P = 128
-GRAM_SPLITS = 8
 #: Predicates of the gated wide kernels (``rh_wide_symv``'s ``gate``): always,
 #: the solve is open, the commit is due, a LAMM iteration starts.
 GATE_ALWAYS = 0
 GATE_OPEN = 1
 GATE_COMMIT = 2
 GATE_LAMM = 3
-
-
-def gram_tiles(p: int) -> int:
-    """The 4×4 tiles of C that ``rh_gram_rows`` makes at ``p``: sym(C)'s lower triangle
-    and the gradient column (the kernels' ``gram_tile_count``)."""
-    nt = -(-p // 4)
-    return nt * (nt + 1) // 2 + min(p // 4, nt)
 
 
 def cuda_defines() -> str:

@@ -36,24 +36,13 @@ class Workspace:
     wide_kernels : bool, default=False
         Whether designs with p ≥ ``layout.WIDE_MIN_P`` run their p-space work
         as grid kernels (:attr:`wide`).
-    gram_kernel : bool, default=False
-        Whether the row passes' Gram matrix and gradient come from the
-        engine's Gram kernels where p ≤ ``layout.GRAM_MAX_P``
-        (:attr:`gram_kernel`) instead of one cuBLAS GEMM.
     """
 
     def __init__(
-        self,
-        cp: ModuleType,
-        dtype: np.dtype,
-        max_grid: int,
-        *,
-        wide_kernels: bool = False,
-        gram_kernel: bool = False,
+        self, cp: ModuleType, dtype: np.dtype, max_grid: int, *, wide_kernels: bool = False
     ) -> None:
         self._cp = cp
         self._wide_kernels = wide_kernels
-        self._gram_kernel = gram_kernel
         self.dtype = np.dtype(dtype)
         self.item = self.dtype.itemsize
         self.max_grid = max_grid
@@ -63,8 +52,6 @@ class Workspace:
         self.p = 0
         #: Whether p-space work runs as grid kernels (asked for, and p ≥ ``layout.WIDE_MIN_P``).
         self.wide = False
-        #: Whether the Gram kernels make C at this p (asked for, and p ≤ ``layout.GRAM_MAX_P``).
-        self.gram_kernel = False
         self.rows = 0
         self.ctl = cp.zeros(layout.CTL_BYTES, dtype=np.uint8)
         self.status = PinnedBuffer(cp, layout.CTL_BYTES, mapped=True)
@@ -130,11 +117,6 @@ class Workspace:
         self.wide = self._wide_kernels and p >= layout.WIDE_MIN_P
         self.jv = cp.zeros(p * layout.LAMM_ROUND if self.wide else 1, dtype=np.float64)
         self.partials = cp.zeros(self.max_grid * max(32, self.ldp), dtype=np.float64)
-        # The Gram kernels' block sums: 16 values per tile of C per block.
-        self.gram_kernel = self._gram_kernel and p <= layout.GRAM_MAX_P and not self.wide
-        self.gram_partials = cp.zeros(
-            self.max_grid * layout.gram_tiles(p) * 16 if self.gram_kernel else 1, dtype=dt
-        )
         self.rows = 0  # row buffers depend on the strides
         self.generation += 1
         return True
@@ -149,8 +131,6 @@ class Workspace:
         self.y = cp.empty(n, dtype=dt)
         self.w = cp.empty(n, dtype=dt)
         self.r = cp.empty(n, dtype=dt)
-        # The row factors w κ and w ψ of the Gram kernels (interleaved, two per row).
-        self.kw = cp.empty(2 * n if self.gram_kernel else 1, dtype=dt)
         self.rows = n
         self.generation += 1
 

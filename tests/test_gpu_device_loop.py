@@ -623,8 +623,7 @@ def test_the_loop_body_holds_kernels_and_cublas_has_the_loops_workspace(features
     for graph in loops:
         kinds = graph.body_node_types()
         assert set(kinds) <= allowed, describe_nodes(kinds)
-        # solve, search, eval, the Gram kernels (or a GEMM), finish, continue
-        assert kinds.count(0) >= 5
+        assert kinds.count(0) >= 5  # solve, search, eval, GEMM, finish, continue
     capability = int(cp.cuda.Device().compute_capability)
     assert engine._loop._blas_handle == engine._dense.blas
     assert engine._loop._blas_workspace.nbytes == device_loop.blas_workspace_bytes(capability)
@@ -638,14 +637,13 @@ def test_the_loop_body_holds_kernels_and_cublas_has_the_loops_workspace(features
 def test_a_cublas_workspace_of_the_default_pool_size_leaves_the_host_loops_bits(dtype):
     """The loop's workspace must not change cuBLAS's choice of GEMM algorithm.
 
-    Both engines run the host loop with the Gram GEMM (``gram="cublas"``); one
-    has the loop's workspace bound. If this fails, the device loop's bits
-    differ from the host loop's through the GEMM alone, and the host loop
-    should bind the same workspace.
+    Both engines run the host loop; one has the loop's workspace bound. If
+    this fails, the device loop's bits differ from the host loop's through
+    the GEMM alone, and the host loop should bind the same workspace.
     """
     batches = _stream(90, [32768, 32768, 1000], dtype, 3)
-    plain = _fit(HuberConfig(dtype=dtype), batches, device_loop="off", gram="cublas")
-    engine = gpu_engine.GpuEngine(HuberConfig(dtype=dtype), device_loop="off", gram="cublas")
+    plain = _fit(HuberConfig(dtype=dtype), batches, device_loop="off")
+    engine = gpu_engine.GpuEngine(HuberConfig(dtype=dtype), device_loop="off")
     capability = int(cp.cuda.Device().compute_capability)
     workspace = cp.empty(device_loop.blas_workspace_bytes(capability), dtype=np.uint8)
     status = device_loop._set_blas_workspace(

@@ -481,18 +481,16 @@ rh_build(const T* __restrict__ X, long long ldx, const T* __restrict__ y,
 // ---------------------------------------------------------------------------
 // The fused row pass of an evaluation at β, shared by Newton's step 1 and the
 // commit: r = y − Zβ, ψ = clip(r, ±τ), κ = clip((τ − |r|)/(2h) + ½, 0, 1) and
-// M's rows w κ ⊙ z; Newton also keeps w ψ (M's last column) and r. With `kw`
-// (the Gram kernel's input, rh_gram_rows) each row's two factors w κ and w ψ
-// go to kw[2i], kw[2i + 1] instead, and M is not written. Σ w ρ(r) is reduced
-// over the grid into ctl[RH_S_LOSS]; returns true in the one block that wrote
-// it (the last to arrive).
+// M's rows w κ ⊙ z; Newton also keeps w ψ (M's last column) and r. Σ w ρ(r)
+// is reduced over the grid into ctl[RH_S_LOSS]; returns true in the one block
+// that wrote it (the last to arrive).
 // ---------------------------------------------------------------------------
 template <bool NEWTON, typename T>
 __device__ bool eval_rows(const T* __restrict__ Z, long long ldz, long long n, long long p,
                           const T* __restrict__ y, const T* __restrict__ w,
                           const T* __restrict__ beta, double* __restrict__ ctl,
                           T* __restrict__ r, T* __restrict__ M, long long ldm,
-                          T* __restrict__ kw, double* __restrict__ partials) {
+                          double* __restrict__ partials) {
   extern __shared__ double smem_d[];
   __shared__ double red[(MAX_WARPS + 1) * 32];
   T* sb = reinterpret_cast<T*>(smem_d);
@@ -517,18 +515,13 @@ __device__ bool eval_rows(const T* __restrict__ Z, long long ldz, long long n, l
       k = clip(k, T(0), T(1));
       const T wi = w[i];
       const T c = k * wi;
-      if (kw == nullptr) {
-        T* mr = M + i * ldm;
-        for (long long j = lane; j < p; j += 32) mr[j] = c * zr[j];
-      }
+      T* mr = M + i * ldm;
+      for (long long j = lane; j < p; j += 32) mr[j] = c * zr[j];
       if (lane == 0) {
-        if (kw != nullptr) {
-          kw[2 * i] = c;
-          kw[2 * i + 1] = wi * psi;
-        } else if (NEWTON) {
-          M[i * ldm + p] = wi * psi;
+        if (NEWTON) {
+          mr[p] = wi * psi;
+          r[i] = ri;
         }
-        if (NEWTON) r[i] = ri;
         const T rho = (ri - psi * T(0.5)) * psi;
         loss += (double)(wi * rho);
       }
@@ -548,150 +541,13 @@ __device__ bool eval_rows(const T* __restrict__ Z, long long ldz, long long n, l
 // the objective diagnostic if this iterate is the batch's last.
 // ---------------------------------------------------------------------------
 template <typename T>
-__global__ void __launch_bounds__(RH_ROW_THREADS, 1)
+__global__ void __launch_bounds__(RH_ROW_THREADS)
 rh_newton_eval(const T* __restrict__ Z, long long ldz, long long n, long long p,
                const T* __restrict__ y, const T* __restrict__ w,
                const T* __restrict__ beta, double* __restrict__ ctl,
-               T* __restrict__ r, T* __restrict__ M, long long ldm, T* __restrict__ kw,
+               T* __restrict__ r, T* __restrict__ M, long long ldm,
                double* __restrict__ partials) {
-  eval_rows<true>(Z, ldz, n, p, y, w, beta, ctl, r, M, ldm, kw, partials);
-}
-
-// ---------------------------------------------------------------------------
-// The Gram matrix and gradient C = Zᵀ[M] (p × (p+1), column-major) without M:
-// M's rows w κ ⊙ z and its last column w ψ are formed from Z and the row
-// factors kw that the row pass wrote (eval_rows), in the same operations.
-// Only what the solve and the commit read is made: sym(C)'s lower triangle
-// and the gradient column.
-//
-// rh_gram_rows: each thread owns one 4×4 tile of C (rows a of Zᵀ, columns b
-// of M): first the lower triangle's tiles, row of tiles by row of tiles, then
-// the tiles of the gradient column above them (gram_tile). Each block adds
-// its own contiguous range of rows in row order, RH_GRAM_ROWS rows staged in
-// shared memory at a time (Z's and M's, zero past the range and past p), and
-// writes its tiles' sums to partials[block][tile][16]. rh_gram_reduce then
-// adds the blocks in block order. The grid depends only on the row count and
-// the device, so the bits are fixed. Both are no-ops unless `gate` holds.
-// ---------------------------------------------------------------------------
-__device__ __forceinline__ int gram_tile_count(int q) {
-  const int nt = (q + 3) / 4;
-  return nt * (nt + 1) / 2 + min(q / 4, nt);
-}
-
-// Tile t's row and column of tiles (ta, tb), for p = q.
-__device__ __forceinline__ void gram_tile(int t, int q, int& ta, int& tb) {
-  const int nt = (q + 3) / 4, lower = nt * (nt + 1) / 2;
-  if (t < lower) {
-    int a = (int)((sqrtf(8.0f * (float)t + 1.0f) - 1.0f) * 0.5f);
-    while (a > 0 && a * (a + 1) / 2 > t) --a;
-    while ((a + 1) * (a + 2) / 2 <= t) ++a;
-    ta = a;
-    tb = t - a * (a + 1) / 2;
-  } else {
-    ta = t - lower;
-    tb = q / 4;  // the tile column that holds the gradient column q
-  }
-}
-
-__device__ __forceinline__ void load4(const float* s, float (&v)[4]) {
-  const float4 x = *reinterpret_cast<const float4*>(s);
-  v[0] = x.x;
-  v[1] = x.y;
-  v[2] = x.z;
-  v[3] = x.w;
-}
-
-__device__ __forceinline__ void load4(const double* s, double (&v)[4]) {
-  const double2 x = reinterpret_cast<const double2*>(s)[0];
-  const double2 y = reinterpret_cast<const double2*>(s)[1];
-  v[0] = x.x;
-  v[1] = x.y;
-  v[2] = y.x;
-  v[3] = y.y;
-}
-
-template <typename T>
-__global__ void __launch_bounds__(RH_GRAM_MAX_THREADS)
-rh_gram_rows(const T* __restrict__ Z, long long ldz, long long n, long long p,
-             const T* __restrict__ kw, long long rows_per_block, double* __restrict__ ctl,
-             long long gate, T* __restrict__ partials) {
-  if (!gate_open(ctl_ints(ctl), gate)) return;
-  extern __shared__ double smem_d[];
-  const int q = (int)p, lds = 4 * ((q + 3) / 4) + 4, tiles = gram_tile_count(q);
-  T* sz = reinterpret_cast<T*>(smem_d);
-  T* sm = sz + RH_GRAM_ROWS * lds;
-  const int t = threadIdx.x, lane = t & 31, warp = t >> 5, nwarps = blockDim.x >> 5;
-  int ta = 0, tb = 0;
-  if (t < tiles) gram_tile(t, q, ta, tb);
-  T acc[4][4];
-#pragma unroll
-  for (int a = 0; a < 4; ++a)
-#pragma unroll
-    for (int b = 0; b < 4; ++b) acc[a][b] = T(0);
-  const long long row0 = (long long)blockIdx.x * rows_per_block;
-  const long long row1 = min(n, row0 + rows_per_block);
-  for (long long k0 = row0; k0 < row1; k0 += RH_GRAM_ROWS) {
-    __syncthreads();  // the rows staged before are consumed
-    for (int k = warp; k < RH_GRAM_ROWS; k += nwarps) {
-      const long long i = k0 + k;
-      const bool in = i < row1;
-      const T c = in ? kw[2 * i] : T(0), g = in ? kw[2 * i + 1] : T(0);
-      const T* zr = Z + (in ? i : 0LL) * ldz;
-      for (int j = lane; j < lds; j += 32) {
-        const T z = (in && j < q) ? zr[j] : T(0);
-        sz[k * lds + j] = z;
-        sm[k * lds + j] = j < q ? c * z : (j == q ? g : T(0));
-      }
-    }
-    __syncthreads();
-    if (t < tiles) {
-#pragma unroll 4
-      for (int k = 0; k < RH_GRAM_ROWS; ++k) {
-        T za[4], mb[4];
-        load4(sz + k * lds + 4 * ta, za);
-        load4(sm + k * lds + 4 * tb, mb);
-#pragma unroll
-        for (int a = 0; a < 4; ++a)
-#pragma unroll
-          for (int b = 0; b < 4; ++b) acc[a][b] = fma(za[a], mb[b], acc[a][b]);
-      }
-    }
-  }
-  if (t < tiles) {
-    T* out = partials + ((size_t)blockIdx.x * tiles + t) * 16;
-#pragma unroll
-    for (int a = 0; a < 4; ++a)
-#pragma unroll
-      for (int b = 0; b < 4; ++b) out[a * 4 + b] = acc[a][b];
-  }
-}
-
-// The blocks' tile sums of rh_gram_rows added in block order (in double, RH_GRAM_SPLITS
-// threads per entry, each adding every RH_GRAM_SPLITS-th block, then those sums in
-// order) into C's lower triangle and gradient column. Grid: ceil(16 · tiles / 32).
-template <typename T>
-__global__ void __launch_bounds__(32 * RH_GRAM_SPLITS)
-rh_gram_reduce(const T* __restrict__ partials, long long blocks, long long p,
-               double* __restrict__ ctl, long long gate, T* __restrict__ C) {
-  if (!gate_open(ctl_ints(ctl), gate)) return;
-  __shared__ double red[RH_GRAM_SPLITS][32];
-  const int q = (int)p;
-  const long long entries = 16LL * gram_tile_count(q);
-  const int lane = threadIdx.x & 31, s = threadIdx.x >> 5;
-  const long long e = (long long)blockIdx.x * 32 + lane;
-  double v = 0.0;
-  if (e < entries)
-    for (long long b = s; b < blocks; b += RH_GRAM_SPLITS) v += (double)partials[b * entries + e];
-  red[s][lane] = v;
-  __syncthreads();
-  if (s != 0 || e >= entries) return;
-  double total = 0.0;
-#pragma unroll
-  for (int k = 0; k < RH_GRAM_SPLITS; ++k) total += red[k][lane];
-  int ta, tb;
-  gram_tile((int)(e >> 4), q, ta, tb);
-  const int a = 4 * ta + (int)((e >> 2) & 3), b = 4 * tb + (int)(e & 3);
-  if (a < q && (b == q || (b < q && a >= b))) C[(size_t)a + (size_t)b * q] = (T)total;
+  eval_rows<true>(Z, ldz, n, p, y, w, beta, ctl, r, M, ldm, partials);
 }
 
 // ---------------------------------------------------------------------------
@@ -1525,11 +1381,11 @@ __global__ void __launch_bounds__(RH_ROW_THREADS)
 rh_commit_eval(const T* __restrict__ Z, long long ldz, long long n, long long p,
                const T* __restrict__ y, const T* __restrict__ w, const T* __restrict__ beta,
                double* __restrict__ ctl, T* __restrict__ M, long long ldm,
-               T* __restrict__ kw, double* __restrict__ partials, double* status) {
+               double* __restrict__ partials, double* status) {
   // Queued after every LAMM round group: a no-op until the solve is done,
   // and for a batch that failed validation.
   if (!commit_due(ctl_ints(ctl))) return;
-  if (eval_rows<false>(Z, ldz, n, p, y, w, beta, ctl, (T*)nullptr, M, ldm, kw, partials))
+  if (eval_rows<false>(Z, ldz, n, p, y, w, beta, ctl, (T*)nullptr, M, ldm, partials))
     mirror_status(ctl, status);
 }
 
