@@ -87,10 +87,10 @@ def _solve_body(engine: Any, mode: str, p: int):
     if mode == "columns_noloop":
         import cupy as cp
 
-        from gpu_engine import newton
-
-        name = next(k for top, k in newton.COLUMNS_KERNELS if p <= top)
-        return _variant_body(cp, engine, p, name, (p * p + 4 * p + 2) * ws.item, _NOLOOP)
+        # the driver's own choice of columns kernel and its shared memory at this p
+        drv._cholesky = "columns"
+        drv._fused_solve_fits(p)
+        return _variant_body(cp, engine, p, drv._solve_kernel, drv._solve_shared, _NOLOOP)
     if mode == "cusolver":
 
         def body() -> None:
