@@ -92,6 +92,98 @@ def batch_schedule(config: HuberConfig, state: HuberState, batch_weight: float) 
     return BatchSchedule(total, bandwidth, lam, history)
 
 
+def sum_weights(sample_weight: np.ndarray) -> float:
+    """Σ w of one batch, correctly rounded to float64.
+
+    A batch's weight enters ``weight_sum``, a counter that must be equal on
+    every engine, so it is defined independently of summation order: the
+    float64 nearest to the exact sum (ties to even), as :func:`math.fsum`
+    gives. The GPU engine's double-double reduction returns the same value.
+
+    Parameters
+    ----------
+    sample_weight : numpy.ndarray, shape (n,)
+        Finite, non-negative float32 or float64 weights.
+
+    Returns
+    -------
+    float
+        The correctly rounded sum (``inf`` when it overflows).
+
+    Raises
+    ------
+    ValueError
+        If a weight is negative or not finite.
+
+    Notes
+    -----
+    When every weight is a multiple of a unit q and n · max(w) < 2⁵³ q, every
+    partial sum is exact and ``np.sum`` is used: q is the smallest positive
+    weight's unit in the last place (float32 weights of a moderate range, for
+    instance) or 1 (whole-number weights). Otherwise the weights are split
+    into exponent and integer significand, the significands are added per
+    exponent in exact integer arithmetic, and the one rounding is Python's
+    correctly rounded integer division (about 22 ms per million float64
+    weights on the dev box, against 0.4 for ``np.sum``).
+    """
+    w = np.asarray(sample_weight).ravel()
+    if w.dtype != np.float32:
+        w = w.astype(np.float64, copy=False)
+    if w.size == 0:
+        return 0.0
+    if not (np.all(np.isfinite(w)) and float(np.min(w)) >= 0):
+        raise ValueError("weights must be finite and non-negative")
+    info = np.finfo(w.dtype)
+    smallest = float(np.min(w, where=w > 0, initial=np.inf))
+    if not math.isfinite(smallest):
+        return 0.0
+    quantum = math.ldexp(1.0, max(math.frexp(smallest)[1] - 1, info.minexp) - info.nmant)
+    largest = float(np.max(w))
+    if largest / quantum * w.size < 2.0**53:
+        return float(np.sum(w, dtype=np.float64))
+    if largest * w.size < 2.0**53 and bool(np.all(np.trunc(w) == w)):
+        return float(np.sum(w, dtype=np.float64))  # whole numbers: exact sums too
+    return _exact_sum(w, info)
+
+
+#: Rows per block of :func:`_exact_sum`: below 2**26 rows a block's per-exponent
+#: sums of 27-bit parts stay under 2**53, so float64 holds them exactly.
+_EXACT_BLOCK = 1 << 26
+
+
+def _exact_sum(w: np.ndarray, info: np.finfo, block: int = _EXACT_BLOCK) -> float:
+    """Correctly rounded Σ w of finite non-negative floats (exact integer sums)."""
+    mant_bits = info.nmant
+    bits = w.view(np.uint32 if w.dtype == np.float32 else np.uint64)
+    # float32 significands (24 bits) add exactly in float64 as they are;
+    # float64 significands are split into 27 and 26 bits.
+    split = 0 if w.dtype == np.float32 else 26
+    total = 0
+    for start in range(0, bits.size, block):
+        b = bits[start : start + block]
+        biased = (b >> mant_bits).astype(np.intp)
+        normal = biased > 0
+        significand = (b & ((1 << mant_bits) - 1)) | (normal.astype(b.dtype) << mant_bits)
+        exponent = np.maximum(biased, 1)  # subnormals: exponent 1, no implicit bit
+        parts = (
+            [(significand, 0)]
+            if not split
+            else [
+                (significand >> split, split),
+                (significand & ((1 << split) - 1), 0),
+            ]
+        )
+        for part, shift in parts:
+            sums = np.bincount(exponent, weights=part)
+            for e in np.flatnonzero(sums):
+                total += int(sums[e]) << (shift + int(e) - 1)
+    # A significand at biased exponent 1 weighs 2**(minexp - mant_bits).
+    try:
+        return total / (1 << (mant_bits - info.minexp))
+    except OverflowError:
+        return math.inf
+
+
 def penalty_mask(n_features: int, fit_intercept: bool, dtype: np.dtype | str) -> np.ndarray:
     """m: 1 for every feature coefficient, 0 for the intercept."""
     mask = np.ones(n_features + int(fit_intercept), dtype=dtype)

@@ -186,6 +186,28 @@ def test_host_input_matches_the_reference_with_weights_and_no_intercept(penalty)
     gpu.close()
 
 
+@pytest.mark.parametrize("device_input", [False, True])
+@pytest.mark.parametrize("dtype", ["float64", "float32"])
+def test_real_valued_weights_give_the_references_weight_sum_to_the_last_bit(dtype, device_input):
+    # Σw is a counter: the GPU's double-double grid reduction and the
+    # reference's exact sum round to the same float64 (math.fsum's). Sizes
+    # from one block to a few hundred; weights that no order sums exactly.
+    import math
+
+    rng = np.random.default_rng(21)
+    batches = _stream(4, [20_000, 300, 250_000], dtype, seed=21)
+    weights = [rng.uniform(0.5, 2.0, len(y)).astype(dtype) for _, y in batches]
+    weights[2] *= np.asarray(np.pi, dtype)  # another exponent range
+    gpu, ref = _differential(
+        HuberConfig(dtype=dtype), batches, device_input=device_input, weights=weights
+    )
+    expected = 0.0
+    for w in weights:
+        expected = expected + math.fsum(w.astype(np.float64).tolist())
+    assert gpu.export_state().weight_sum == ref.export_state().weight_sum == expected
+    gpu.close()
+
+
 @pytest.mark.parametrize("dtype", ["float64", "float32"])
 def test_rank_deficient_design_takes_the_fallback_like_the_reference(dtype):
     batches = []

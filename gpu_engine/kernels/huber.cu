@@ -138,30 +138,70 @@ __device__ bool arrive_last(unsigned int* ticket) {
   return s_last != 0u;
 }
 
+// (hi, lo) += (b_hi, b_lo) in double-double: TwoSum of the high parts, then
+// FastTwoSum to renormalise (|s| ≥ |t| for the non-negative sums it serves),
+// so that hi = fl(hi + lo) afterwards. No products: nothing to contract.
+__device__ __forceinline__ void dd_add(double& hi, double& lo, double b_hi, double b_lo) {
+  const double s = hi + b_hi;
+  const double v = s - hi;
+  const double e = (hi - (s - v)) + (b_hi - v);  // s + e = hi + b_hi exactly
+  const double t = e + (lo + b_lo);
+  hi = s + t;
+  lo = t - (hi - s);
+}
+
+// One step of lane_grid_reduce's sums: component `lane` += src[lane], except
+// that with DD components 2 and 3 are one double-double, added by lane 2.
+template <bool DD>
+__device__ __forceinline__ void lane_add(double& s, double& c, const double* src, int lane) {
+  if (DD && lane == 2) {
+    dd_add(s, c, src[2], src[3]);
+  } else {
+    s += src[lane];
+  }
+}
+
+// Lane 2's carry goes into component 3's slot (lane 3 leaves it alone).
+template <bool DD>
+__device__ __forceinline__ void lane_store(double* dst, double s, double c, int lane) {
+  if (DD && lane == 3) return;
+  dst[lane] = s;
+  if (DD && lane == 2) dst[3] = c;
+}
+
 // Each thread holds one value of component `lane` (0..31). Blocks reduce in
 // warp order, the last block adds the block partials in block order; there it
 // returns true and red[MAX_WARPS * 32 + k] holds the grid total of component k.
-// `red` must hold (MAX_WARPS + 1) * 32 doubles.
+// With DD, components 2 and 3 are the high and low parts of one non-negative
+// double-double sum, reduced as such (the total's correctly rounded value
+// ends in component 2). `red` must hold (MAX_WARPS + 1) * 32 doubles.
+template <bool DD = false>
 __device__ bool lane_grid_reduce(double v, double* partials, unsigned int* ticket,
                                  double* red) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
   red[warp * 32 + lane] = v;
   __syncthreads();
   if (warp == 0) {
-    double s = 0.0;
-    for (int w = 0; w < nwarps; ++w) s += red[w * 32 + lane];
-    partials[(size_t)blockIdx.x * 32 + lane] = s;
+    double s = 0.0, c = 0.0;
+    for (int w = 0; w < nwarps; ++w) lane_add<DD>(s, c, red + w * 32, lane);
+    lane_store<DD>(partials + (size_t)blockIdx.x * 32, s, c, lane);
   }
   if (!arrive_last(ticket)) return false;
-  double s = 0.0;
-  for (unsigned int b = warp; b < gridDim.x; b += nwarps)
-    s += __ldcg(partials + (size_t)b * 32 + lane);
-  red[warp * 32 + lane] = s;
+  double s = 0.0, c = 0.0;
+  for (unsigned int b = warp; b < gridDim.x; b += nwarps) {
+    const double* src = partials + (size_t)b * 32;
+    if (DD && lane == 2) {
+      dd_add(s, c, __ldcg(src + 2), __ldcg(src + 3));
+    } else {
+      s += __ldcg(src + lane);
+    }
+  }
+  lane_store<DD>(red + warp * 32, s, c, lane);
   __syncthreads();
   if (warp == 0) {
-    double t = 0.0;
-    for (int w = 0; w < nwarps; ++w) t += red[w * 32 + lane];
-    red[MAX_WARPS * 32 + lane] = t;
+    double t = 0.0, tc = 0.0;
+    for (int w = 0; w < nwarps; ++w) lane_add<DD>(t, tc, red + w * 32, lane);
+    lane_store<DD>(red + MAX_WARPS * 32, t, tc, lane);
   }
   if (threadIdx.x == 0) *ticket = 0u;  // ready for the next kernel
   __syncthreads();
@@ -434,7 +474,10 @@ rh_build(const T* __restrict__ X, long long ldx, const T* __restrict__ y,
     for (long long j = threadIdx.x; j < p; j += blockDim.x) beta_work[j] = beta[j];
   }
   const long long nw = (long long)gridDim.x * (blockDim.x >> 5);
-  double bad_x = 0.0, bad_w = 0.0, wsum = 0.0;
+  // Σw is a counter every engine must give to the last bit: a double-double
+  // sum, correctly rounded like the reference's (rh_dask.core.sum_weights)
+  // except within about 2^-100 of a rounding tie, and exact for dyadic weights.
+  double bad_x = 0.0, bad_w = 0.0, wsum = 0.0, wsum_lo = 0.0;
   for (long long i = (long long)blockIdx.x * (blockDim.x >> 5) + warp; i < n; i += nw) {
     const T* xr = X + i * ldx;
     T* zr = Z + i * ldz;
@@ -455,15 +498,22 @@ rh_build(const T* __restrict__ X, long long ldx, const T* __restrict__ y,
       const T wi = (w != nullptr) ? w[i] : T(1);
       if (!(finite_v(wi) && wi >= T(0))) bad_w = 1.0;
       wz[i] = wi;
-      wsum += (double)wi;
+      dd_add(wsum, wsum_lo, (double)wi, 0.0);
     }
   }
   bad_x = warp_sum(bad_x);
   bad_w = warp_sum(bad_w);
-  wsum = warp_sum(wsum);
-  const double mine = lane == 0 ? bad_x : (lane == 1 ? bad_w : (lane == 2 ? wsum : 0.0));
+  // Only lane 0 summed weights: its pair reaches lanes 2 and 3 unchanged.
+  wsum = __shfl_sync(FULL_MASK, wsum, 0);
+  wsum_lo = __shfl_sync(FULL_MASK, wsum_lo, 0);
+  const double mine = lane == 0   ? bad_x
+                      : lane == 1 ? bad_w
+                      : lane == 2 ? wsum
+                      : lane == 3 ? wsum_lo
+                                  : 0.0;
   int* ci = ctl_ints(ctl);
-  if (!lane_grid_reduce(mine, partials, reinterpret_cast<unsigned int*>(ci + RH_I_TICKET), red))
+  if (!lane_grid_reduce<true>(mine, partials,
+                              reinterpret_cast<unsigned int*>(ci + RH_I_TICKET), red))
     return;
   if (threadIdx.x == 0) {
     int flags = ci[RH_I_INVALID];

@@ -32,6 +32,7 @@ from ..core import (
     singular_rtol,
     soft_threshold,
     step_converged,
+    sum_weights,
 )
 from ..exceptions import EngineUnavailableError, NotFittedError, ValidationError
 from ..residuals import outlier_share, residual_scale
@@ -594,7 +595,7 @@ class NumpyEngine:
         state = self._state
         if state is None:
             state = HuberState.empty(d, cfg.fit_intercept, dt, cfg.keeps_score_variance)
-        batch_weight = float(n) if w is None else float(np.sum(w, dtype=np.float64))
+        batch_weight = float(n) if w is None else sum_weights(w)
         schedule = batch_schedule(cfg, state, batch_weight)
         # The Grams' thread count: the engine's, or, for "auto", the one whose batches of
         # this class committed fastest lately (measured below: the commit's Grams are the
