@@ -98,7 +98,8 @@ def sum_weights(sample_weight: np.ndarray) -> float:
     A batch's weight enters ``weight_sum``, a counter that must be equal on
     every engine, so it is defined independently of summation order: the
     float64 nearest to the exact sum (ties to even), as :func:`math.fsum`
-    gives. The GPU engine's double-double reduction returns the same value.
+    gives. The GPU engine's double-double reduction returns the same value
+    (but for a sum within about 2⁻¹⁰⁰ of a rounding tie).
 
     Parameters
     ----------
@@ -120,11 +121,11 @@ def sum_weights(sample_weight: np.ndarray) -> float:
     When every weight is a multiple of a unit q and n · max(w) < 2⁵³ q, every
     partial sum is exact and ``np.sum`` is used: q is the smallest positive
     weight's unit in the last place (float32 weights of a moderate range, for
-    instance) or 1 (whole-number weights). Otherwise the weights are split
-    into exponent and integer significand, the significands are added per
-    exponent in exact integer arithmetic, and the one rounding is Python's
-    correctly rounded integer division (about 22 ms per million float64
-    weights on the dev box, against 0.4 for ``np.sum``).
+    instance) or 1 (whole-number weights). Otherwise the sum is taken exactly
+    by error-free extraction (:func:`_exact_sum`; two passes of four array
+    operations for weights of one binade or a few; 2.7 ms for 262,144 float64
+    weights on the dev box, against 0.1 ms for ``np.sum`` and 90 ms for the
+    engine's batch of 32 features).
     """
     w = np.asarray(sample_weight).ravel()
     if w.dtype != np.float32:
@@ -143,45 +144,39 @@ def sum_weights(sample_weight: np.ndarray) -> float:
         return float(np.sum(w, dtype=np.float64))
     if largest * w.size < 2.0**53 and bool(np.all(np.trunc(w) == w)):
         return float(np.sum(w, dtype=np.float64))  # whole numbers: exact sums too
-    return _exact_sum(w, info)
+    return _exact_sum(w)
 
 
-#: Rows per block of :func:`_exact_sum`: below 2**26 rows a block's per-exponent
-#: sums of 27-bit parts stay under 2**53, so float64 holds them exactly.
-_EXACT_BLOCK = 1 << 26
+def _exact_sum(w: np.ndarray) -> float:
+    """Correctly rounded Σ w of finite floats, by error-free extraction.
 
-
-def _exact_sum(w: np.ndarray, info: np.finfo, block: int = _EXACT_BLOCK) -> float:
-    """Correctly rounded Σ w of finite non-negative floats (exact integer sums)."""
-    mant_bits = info.nmant
-    bits = w.view(np.uint32 if w.dtype == np.float32 else np.uint64)
-    # float32 significands (24 bits) add exactly in float64 as they are;
-    # float64 significands are split into 27 and 26 bits.
-    split = 0 if w.dtype == np.float32 else 26
-    total = 0
-    for start in range(0, bits.size, block):
-        b = bits[start : start + block]
-        biased = (b >> mant_bits).astype(np.intp)
-        normal = biased > 0
-        significand = (b & ((1 << mant_bits) - 1)) | (normal.astype(b.dtype) << mant_bits)
-        exponent = np.maximum(biased, 1)  # subnormals: exponent 1, no implicit bit
-        parts = (
-            [(significand, 0)]
-            if not split
-            else [
-                (significand >> split, split),
-                (significand & ((1 << split) - 1), 0),
-            ]
-        )
-        for part, shift in parts:
-            sums = np.bincount(exponent, weights=part)
-            for e in np.flatnonzero(sums):
-                total += int(sums[e]) << (shift + int(e) - 1)
-    # A significand at biased exponent 1 weighs 2**(minexp - mant_bits).
-    try:
-        return total / (1 << (mant_bits - info.minexp))
-    except OverflowError:
-        return math.inf
+    With max|r| < 2ᵉ, 2ᵍ > len(r) and σ = 2^(e + g + 1), q = (σ + r) − σ and
+    r − q are exact, the q are multiples of 2⁻⁵³ σ whose every partial sum
+    stays below σ, so ``np.sum(q)`` is exact in any order, and the new
+    residuals are at least 2^(51 − g) times smaller (Rump, Ogita and Oishi's
+    extraction). Repeated until no residual is left, Σ w is a short list of
+    exact doubles, which :func:`math.fsum` rounds once.
+    """
+    r = w.astype(np.float64, copy=True)
+    q = np.empty_like(r)
+    growth = (r.size + 1).bit_length()
+    terms = []
+    while True:
+        largest = float(np.max(np.abs(r)))
+        if largest == 0:
+            break
+        exponent = math.frexp(largest)[1] + growth + 1
+        if exponent > 1023:  # σ would overflow: weights near the float64 limit
+            try:
+                return math.fsum(w.astype(np.float64).tolist())
+            except OverflowError:
+                return math.inf
+        sigma = math.ldexp(1.0, exponent)
+        np.add(r, sigma, out=q)
+        q -= sigma
+        terms.append(float(np.sum(q)))
+        r -= q
+    return math.fsum(terms)
 
 
 def penalty_mask(n_features: int, fit_intercept: bool, dtype: np.dtype | str) -> np.ndarray:
