@@ -221,64 +221,43 @@ def test_rank_deficient_design_takes_the_fallback_like_the_reference(dtype):
     gpu.close()
 
 
-#: How much further from the reference than the reference's own column-permuted
-#: run the GPU engine may be (its GEMMs sum in yet another order).
-SPREAD_FACTOR = 4.0
-
-
-def _permuted_reference(config, batches, seed=0):
-    """The NumPy reference on the stream with its feature columns permuted, mapped back.
-
-    Yields one state per batch, ordered like the unpermuted stream's (the
-    intercept, the last parameter, stays in place). Its distance from the
-    unpermuted reference is the reference's own rounding sensitivity.
-    """
-    n_features = batches[0][0].shape[1]
-    perm = np.random.default_rng(seed).permutation(n_features)
-    back = np.argsort(perm)
-    order = np.concatenate([back, np.arange(n_features, n_features + int(config.fit_intercept))])
-    engine = NumpyEngine(config)
-    for X, y in batches:
-        engine.partial_fit(np.ascontiguousarray(X[:, perm]), y)
-        state = engine.export_state()
-        yield state.coefficients[order], state.information[np.ix_(order, order)]
-
-
-def _assert_within_the_references_spread(config, batches, **options):
+def _assert_within_the_stopping_tolerance(config, batches, **options):
     """The GPU engine against the reference where the contract's bound is out of reach.
 
-    With a duplicated column and no ridge the Newton systems are singular and
-    the steps are minimum-norm solutions: the reference misses the contract's
-    per-element bound against itself once only its summation order changes (a
-    column permutation; on the dev box's OpenBLAS its coefficients by 35-95
-    times the bound and J by 10^6, through κ's steep ramp). Here each quantity
-    may differ from the reference by the bound plus ``SPREAD_FACTOR`` times the
-    largest difference between the reference and its permuted run (printed for
-    the record).
+    With a duplicated column, no ridge and h ~ 0.005, every Newton system is
+    singular (each step is a minimum-norm solution) and κ's ramp is steep, so
+    the path depends on rounding: the engines may stop at different
+    iterations (on an H100 machine, 37 against the reference's 38), each
+    within the stopping rule ‖step‖ ≤ tol (1 + ‖β‖) of the solution, where
+    they differ in the row space by up to 5e-7 (not along the duplicated
+    columns' null direction: 1e-11 there). So β may differ by the contract's
+    bound plus twice that tolerance; J by the contract's bound plus the κ noise
+    those β differences make (:func:`_kappa_noise`, accumulated over the
+    stream). Counters are exact. The worst ratios are printed for the record.
     """
     ref, gpu = NumpyEngine(config), GpuEngine(config, **options)
-    permuted = _permuted_reference(config, batches)
-    for i, ((X, y), (p_coef, p_info)) in enumerate(zip(batches, permuted, strict=True)):
-        ref.partial_fit(X, y)
+    rtol, atol = TOL[config.dtype]
+    noise = 0.0
+    for i, (X, y) in enumerate(batches):
+        d_ref = ref.partial_fit(X, y)
         gpu.partial_fit(X, y)
         s_gpu, s_ref = gpu.export_state(), ref.export_state()
         assert s_gpu.counters() == s_ref.counters(), i
-        rtol, atol = TOL[config.dtype]
-        for what, a, e, perm in (
-            ("coefficients", s_gpu.coefficients, s_ref.coefficients, p_coef),
-            ("information", s_gpu.information, s_ref.information, p_info),
-        ):
-            a, e, perm = (np.asarray(v, dtype=np.float64) for v in (a, e, perm))
-            spread = float(np.max(np.abs(perm - e)))
-            diff = np.abs(a - e)
-            bound = atol + rtol * np.abs(e) + SPREAD_FACTOR * spread
-            print(
-                f"batch {i} {what}: max |gpu − ref| {diff.max():.3g}, "
-                f"max |permuted ref − ref| {spread:.3g}"
-            )
-            assert np.all(diff <= bound), (
-                f"batch {i} {what}: worst |diff|/bound = {np.max(diff / bound):.3g}"
-            )
+        b_gpu, b_ref = (np.asarray(s.coefficients, np.float64) for s in (s_gpu, s_ref))
+        stop = 2 * config.tol * (1 + float(np.linalg.norm(b_ref)))
+        b_bound = atol + rtol * np.abs(b_ref) + stop
+        noise = noise + _kappa_noise(config, X, y, None, b_gpu, b_ref, d_ref.bandwidth)
+        j_gpu, j_ref = (np.asarray(s.information, np.float64) for s in (s_gpu, s_ref))
+        j_bound = atol + rtol * np.abs(j_ref) + noise
+        b_worst = float(np.max(np.abs(b_gpu - b_ref) / b_bound))
+        j_worst = float(np.max(np.abs(j_gpu - j_ref) / j_bound))
+        print(
+            f"batch {i}: max |Δβ| {np.max(np.abs(b_gpu - b_ref)):.3g} "
+            f"(worst/bound {b_worst:.3g}), max |ΔJ| {np.max(np.abs(j_gpu - j_ref)):.3g} "
+            f"(worst/bound {j_worst:.3g})"
+        )
+        assert b_worst <= 1, f"batch {i} coefficients beyond the stopping tolerance"
+        assert j_worst <= 1, f"batch {i} information beyond the κ noise"
     return gpu
 
 
@@ -328,7 +307,7 @@ def test_wide_rank_deficient_design_takes_the_fallback_like_the_reference():
     for X, y in _stream(300, [1500, 1500], "float64", seed=17):
         batches.append((np.ascontiguousarray(np.column_stack([X, X[:, 2]])), y))
     config = HuberConfig(ridge=0.0)
-    gpu = _assert_within_the_references_spread(config, batches, wide_kernels=True)
+    gpu = _assert_within_the_stopping_tolerance(config, batches, wide_kernels=True)
     assert gpu._ws.wide
     beta = gpu.coefficients()
     _assert_close(beta[2], beta[300], "float64", "duplicate columns")
