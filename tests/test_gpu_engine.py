@@ -227,7 +227,8 @@ def _assert_within_the_stopping_tolerance(config, batches, **options):
     With a duplicated column, no ridge and h ~ 0.005, every Newton system is
     singular (each step is a minimum-norm solution) and κ's ramp is steep, so
     the path depends on rounding: the engines may stop at different
-    iterations (on an H100 machine, 37 against the reference's 38), each
+    iterations (on an H100 machine, 37 minimum-norm steps in the first batch
+    against the reference's 38), each
     within the stopping rule ‖step‖ ≤ tol (1 + ‖β‖) of the solution, where
     they differ in the row space by up to 5e-7 (not along the duplicated
     columns' null direction: 1e-11 there). So β may differ by the contract's
