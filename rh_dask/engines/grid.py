@@ -42,7 +42,6 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from ..config import HuberConfig
-from ..core import sum_weights
 from ..exceptions import ValidationError
 from ..settings import grid_concurrent
 from ..state import BatchDiagnostics, HuberState
@@ -382,7 +381,7 @@ class GridEngine:
                 huber = mae = np.full(self.n_configs, np.nan)
                 if pending is not None:
                     huber, mae = pending.result()
-                weight = float(n) if w is None else sum_weights(w)
+                weight = float(n) if w is None else float(w.sum(dtype=np.float64))
         else:
             w = sample_weight
             n = self._check_batch(X, y, w)
@@ -393,7 +392,7 @@ class GridEngine:
                     np, X, y, w, betas, self.fit_intercept, self.reference_tau
                 )
             diagnostics = self._fit_all(X, y, w)
-            weight = float(n) if w is None else sum_weights(w)
+            weight = float(n) if w is None else float(w.sum(dtype=np.float64))
         record = GridRecord(
             batch=self.batch_count - 1,
             chunk=int(chunk),
