@@ -132,14 +132,15 @@ def sum_weights(sample_weight: np.ndarray) -> float:
         w = w.astype(np.float64, copy=False)
     if w.size == 0:
         return 0.0
-    if not (np.all(np.isfinite(w)) and float(np.min(w)) >= 0):
+    # NaN reaches both extremes, so the two bounds also refuse it.
+    largest = float(np.max(w))
+    if not (float(np.min(w)) >= 0 and math.isfinite(largest)):
         raise ValueError("weights must be finite and non-negative")
     info = np.finfo(w.dtype)
     smallest = float(np.min(w, where=w > 0, initial=np.inf))
     if not math.isfinite(smallest):
         return 0.0
     quantum = math.ldexp(1.0, max(math.frexp(smallest)[1] - 1, info.minexp) - info.nmant)
-    largest = float(np.max(w))
     if largest / quantum * w.size < 2.0**53:
         return float(np.sum(w, dtype=np.float64))
     if largest * w.size < 2.0**53 and bool(np.all(np.trunc(w) == w)):

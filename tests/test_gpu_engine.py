@@ -8,6 +8,8 @@ where CuPy or a CUDA device is missing, as on CI. On a GPU machine:
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pytest
 
@@ -192,8 +194,6 @@ def test_real_valued_weights_give_the_references_weight_sum_to_the_last_bit(dtyp
     # Σw is a counter: the GPU's double-double grid reduction and the
     # reference's exact sum round to the same float64 (math.fsum's). Sizes
     # from one block to a few hundred; weights that no order sums exactly.
-    import math
-
     rng = np.random.default_rng(21)
     batches = _stream(4, [20_000, 300, 250_000], dtype, seed=21)
     weights = [rng.uniform(0.5, 2.0, len(y)).astype(dtype) for _, y in batches]
