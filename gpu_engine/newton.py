@@ -243,7 +243,7 @@ class NewtonDriver:
             shared, max_p = (p * p + 4 * p + 2) * item, COLUMNS_KERNELS[-1][0]
         elif mode == "tiles":
             name = "rh_newton_solve_tiles"
-            shared, max_p = (p * p + 4 * p) * item, 32 * layout.SOLVE_ROWS
+            shared, max_p = (p * p + 3 * p) * item, 32 * layout.SOLVE_ROWS
         else:
             name = "rh_newton_solve_blocked" if mode == "blocked" else "rh_newton_solve"
             shared, max_p = (p * p + 2 * p) * item, 32 * layout.SOLVE_ROWS

@@ -1116,17 +1116,15 @@ rh_newton_solve_columns_l(const T* __restrict__ C, const T* __restrict__ J,
 // the rows above. Same outputs as rh_newton_solve: L (lower, column-major; the
 // upper triangle the assembled H) in H, the assembled matrix in Hs, g, D and
 // the potrf-style info (k + 1 for the first non-positive pivot; then D = g).
-// Dynamic shared memory: (p·p + 4p) values of T.
+// Dynamic shared memory: (p·p + 3p) values of T.
 // ---------------------------------------------------------------------------
 
 // Factor the diagonal tile of rows and columns k0 .. k0 + kw − 1 (kw ≤ 32) of
 // A (leading dimension ld) in place, lane l holding row k0 + l: one column at
-// a time, warp shuffles only. Its diagonal and the reciprocals go to lcol and
-// rinv. Returns 0 or the potrf-style info of a non-positive pivot
+// a time, warp shuffles only. The reciprocals of its diagonal go to rinv. Returns 0 or the potrf-style info of a non-positive pivot
 // (warp-uniform); a failed tile is not written back.
 template <typename T>
-__device__ __forceinline__ int tile_factor(T* A, int ld, int k0, int kw, T* lcol, T* rinv,
-                                           int lane) {
+__device__ __forceinline__ int tile_factor(T* A, int ld, int k0, int kw, T* rinv, int lane) {
   const int r = k0 + lane;
   T t[32];
 #pragma unroll
@@ -1145,10 +1143,7 @@ __device__ __forceinline__ int tile_factor(T* A, int ld, int k0, int kw, T* lcol
     // lanes above j compute values of the upper triangle, never written back
     const T lij = t[j] * inv;
     t[j] = lane == j ? ljj : lij;
-    if (lane == j) {
-      lcol[k0 + j] = ljj;
-      rinv[k0 + j] = inv;
-    }
+    if (lane == j) rinv[k0 + j] = inv;
 #pragma unroll
     for (int c = j + 1; c < 32; ++c) t[c] = t[c] - lij * __shfl_sync(FULL_MASK, lij, c);
   }
@@ -1262,8 +1257,7 @@ rh_newton_solve_tiles(const T* __restrict__ C, const T* __restrict__ J,
   const int q = (int)p, ld = q + 1;
   T* A = reinterpret_cast<T*>(smem_d);  // rows 0..q of columns 0..q−1, column-major; row q: g
   T* vec = A + ld * q;                  // g, then y, then the solution
-  T* lcol = vec + q;                    // the diagonal of L
-  T* rinv = lcol + q;                   // its reciprocals
+  T* rinv = vec + q;                    // the reciprocals of L's diagonal
   __shared__ int s_fail;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   assemble_system(q, C, J, beta, beta0, ctl, A, Hs, g, vec, ld);
@@ -1275,7 +1269,7 @@ rh_newton_solve_tiles(const T* __restrict__ C, const T* __restrict__ J,
   for (int k0 = 0; k0 < q; k0 += 32) {
     const int kw = q - k0 < 32 ? q - k0 : 32;
     if (warp == 0) {
-      const int f = tile_factor(A, ld, k0, kw, lcol, rinv, lane);
+      const int f = tile_factor(A, ld, k0, kw, rinv, lane);
       if (lane == 0) s_fail = f;
     }
     __syncthreads();
@@ -1289,9 +1283,8 @@ rh_newton_solve_tiles(const T* __restrict__ C, const T* __restrict__ J,
   if (fail == 0) {
     for (int j = threadIdx.x; j < q; j += blockDim.x) vec[j] = A[q + j * ld];
     __syncthreads();
-    tiles_back_solve(A, ld, q, rinv, vec);
+    tiles_back_solve(A, ld, q, rinv, vec);  // ends on a block barrier
   }
-  __syncthreads();
   publish_solve(q, ld, A, vec, fail, ctl, H, D);
 }
 
