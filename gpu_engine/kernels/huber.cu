@@ -1121,8 +1121,9 @@ rh_newton_solve_columns_l(const T* __restrict__ C, const T* __restrict__ J,
 
 // Factor the diagonal tile of rows and columns k0 .. k0 + kw − 1 (kw ≤ 32) of
 // A (leading dimension ld) in place, lane l holding row k0 + l: one column at
-// a time, warp shuffles only. The reciprocals of its diagonal go to rinv. Returns 0 or the potrf-style info of a non-positive pivot
-// (warp-uniform); a failed tile is not written back.
+// a time, warp shuffles only. The reciprocals of its diagonal go to rinv.
+// Returns 0 or the potrf-style info of a non-positive pivot (warp-uniform); a
+// failed tile is not written back.
 template <typename T>
 __device__ __forceinline__ int tile_factor(T* A, int ld, int k0, int kw, T* rinv, int lane) {
   const int r = k0 + lane;
