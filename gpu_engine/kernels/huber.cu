@@ -1284,8 +1284,10 @@ rh_newton_solve_tiles(const T* __restrict__ C, const T* __restrict__ J,
   if (fail == 0) {
     for (int j = threadIdx.x; j < q; j += blockDim.x) vec[j] = A[q + j * ld];
     __syncthreads();
-    tiles_back_solve(A, ld, q, rinv, vec);  // ends on a block barrier
+    tiles_back_solve(A, ld, q, rinv, vec);
   }
+  // No barrier needed: the back solve ends on one, and a failed factorisation
+  // leaves the loop right after one (a failed tile writes nothing to A).
   publish_solve(q, ld, A, vec, fail, ctl, H, D);
 }
 
