@@ -470,20 +470,30 @@ class ProcessCluster:
         # GPU=1 whatever the engine: the fits name this worker, the resource tells its role.
         self._worker("engine", "engine", self.plan["engine"], {"GPU": 1}, gpu=True)
         for i, cores in enumerate(self.plan["loaders"]):
-            self._worker(f"loader-{i}", "loader", cores, {}, gpu=False)
+            threads = self.args.loader_threads or len(cores)
+            self._worker(f"loader-{i}", "loader", cores, {}, gpu=False, threads=threads)
         self.client = Client(self.address, direct_to_workers=True)
         self.client.wait_for_workers(1 + len(self.plan["loaders"]), timeout=120)
         return self
 
-    def _worker(self, name: str, role: str, cores: list[int], resources: dict, gpu: bool) -> None:
-        threads = len(cores)
+    def _worker(
+        self,
+        name: str,
+        role: str,
+        cores: list[int],
+        resources: dict,
+        gpu: bool,
+        threads: int | None = None,
+    ) -> None:
+        # Task threads; the BLAS/OpenMP pools stay at one per core.
+        tasks = threads or len(cores)
         cmd = [sys.executable, "-m", "distributed.cli.dask_worker", self.address]
-        cmd += ["--name", name, "--nthreads", str(threads), "--no-nanny"]
+        cmd += ["--name", name, "--nthreads", str(tasks), "--no-nanny"]
         cmd += ["--memory-limit", "0", "--host", "127.0.0.1", "--no-dashboard"]
         cmd += ["--local-directory", str(self.workdir / name)]
         if resources:
             cmd += ["--resources", ",".join(f"{k}={v}" for k, v in resources.items())]
-        self._spawn(name, role, cmd, cores, process_env(threads, gpu=gpu))
+        self._spawn(name, role, cmd, cores, process_env(len(cores), gpu=gpu))
 
     def add_relays(self) -> None:
         resource = dask.config.get("rh-dask.relay.resource", "relay")
@@ -1223,6 +1233,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--sources", default="pread,parquet,zarr")
     p.add_argument("--loaders", default="1,2,4,8", help="numbers N of loading workers")
     p.add_argument("--cores-per-loader", type=int, default=1)
+    p.add_argument(
+        "--loader-threads",
+        type=int,
+        default=None,
+        help="task threads per loading worker (default: one per core); a chunk sent with "
+        "sendfile mostly waits on its relay, so two threads keep two sends in flight",
+    )
     p.add_argument("--relays", type=int, default=4)
     p.add_argument("--engine-cores", type=int, default=2)
     p.add_argument("--control-cores", type=int, default=1, help="scheduler and this process")
