@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import dask
 import dask.array as da
 import dask.dataframe as dd
@@ -66,6 +68,22 @@ def test_prequential_scores_by_hand(make_stream):
         assert record.weight == pytest.approx(float(np.sum(w)))
         assert record.rows == len(y) and record.batch == b and record.chunk == b
     assert [r.scored for r in grid.records] == [False, True, True]
+
+
+def test_a_records_weight_is_what_the_configurations_added_to_weight_sum():
+    # Real-valued float64 weights whose plain sum rounds away from the exact one.
+    rng = np.random.default_rng(3)
+    n = 20_000
+    X = rng.standard_normal((n, 3))
+    y = X @ np.array([1.0, -2.0, 0.5]) + rng.standard_t(3, n)
+    w = rng.uniform(0.5, 2.0, n)
+    while math.fsum(w) == float(np.sum(w)):
+        w = rng.uniform(0.5, 2.0, n)
+    grid = GridEngine(_configs((0.7, 2.0)))
+    record = grid.partial_fit(X, y, w)
+    assert record.weight == math.fsum(w)
+    for state in grid.export_states():
+        assert state.weight_sum == record.weight
 
 
 def test_estimator_totals_are_the_weighted_means_of_the_scored_batches(make_stream):

@@ -42,6 +42,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from ..config import HuberConfig
+from ..core import sum_weights
 from ..exceptions import ValidationError
 from ..settings import grid_concurrent
 from ..state import BatchDiagnostics, HuberState
@@ -72,8 +73,9 @@ class GridRecord:
     rows : int
         Rows of the batch.
     weight : float
-        Σ w of the batch (``rows`` without weights): the batch's share of the
-        weighted prequential means.
+        Σ w of the batch, correctly rounded as ``weight_sum`` takes it
+        (``rows`` without weights): the batch's share of the weighted
+        prequential means.
     huber_loss : ndarray of shape (n_configs,)
         Mean Huber loss (at the reference τ) of the batch at each
         configuration's coefficients before the batch; NaN for the first
@@ -381,7 +383,7 @@ class GridEngine:
                 huber = mae = np.full(self.n_configs, np.nan)
                 if pending is not None:
                     huber, mae = pending.result()
-                weight = float(n) if w is None else float(w.sum(dtype=np.float64))
+                weight = _batch_weight(n, w)
         else:
             w = sample_weight
             n = self._check_batch(X, y, w)
@@ -392,7 +394,7 @@ class GridEngine:
                     np, X, y, w, betas, self.fit_intercept, self.reference_tau
                 )
             diagnostics = self._fit_all(X, y, w)
-            weight = float(n) if w is None else float(w.sum(dtype=np.float64))
+            weight = _batch_weight(n, w)
         record = GridRecord(
             batch=self.batch_count - 1,
             chunk=int(chunk),
@@ -492,3 +494,16 @@ def _check_configs(configs: tuple[HuberConfig, ...]) -> None:
         )
     if len(set(configs)) != len(configs):
         raise ValidationError("the grid has duplicate configurations")
+
+
+def _batch_weight(n: int, w: Any | None) -> float:
+    """A batch's Σw as every engine's ``weight_sum`` takes it: correctly rounded.
+
+    So the prequential means weigh a batch by exactly what its configurations
+    added to ``weight_sum``, on the host and on the device (whose weights are
+    fetched: a vector, after the solves have synchronised anyway).
+    """
+    if w is None:
+        return float(n)
+    host = w if isinstance(w, np.ndarray) else getattr(w, "get", lambda: np.asarray(w))()
+    return sum_weights(np.asarray(host))
