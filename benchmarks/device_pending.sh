@@ -26,6 +26,10 @@ set -uo pipefail
 out=${OUT:-/tmp/rh-dask-device}
 mkdir -p "$out"
 part=${1:-tests}
+# The device's model in the result names that carry one (h200, h100, ...).
+gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1 \
+    | grep -o -E '[A-Z][0-9]{2,4}' | head -1 | tr 'A-Z' 'a-z')
+gpu=${gpu:-gpu}
 
 case "$part" in
 tests)
@@ -113,20 +117,20 @@ sweep)
     # the part sweep-wide: both in one call passed its 10 minutes during wide2048 on an
     # H100 machine (shape_sweep-h100-quick-wide.json).
     python benchmarks/shape_sweep.py --quick \
-        --output "$out/shape_sweep-h200.json" 2>&1 | tail -18
+        --output "$out/shape_sweep-$gpu.json" 2>&1 | tail -18
     ;;
 sweep-wide)
     # Issue 16's wide designs, every engine (item 5: 2x the peer's CuPy backend at
     # wide2048 float64; items 1 and 3 there too).
     timeout 580 python benchmarks/shape_sweep.py --quick --shapes wide512 wide1024 wide2048 \
-        --output "$out/shape_sweep-h200-wide.json" 2>&1 | tail -14
+        --output "$out/shape_sweep-$gpu-wide.json" 2>&1 | tail -14
     ;;
 numpy)
     # The NumPy engine on 16 cores: "auto" (threads measured per batch class) against
     # fixed counts of the engine's row-block threads (BLAS on one thread in each) and
     # the peer on its own BLAS threads. Every count gives the same bits.
     python benchmarks/numpy_engine.py --repeats 3 --threads auto 1 2 4 8 --opponent \
-        --output "$out/numpy_engine-h200-row-blocks.json" 2>&1 | tail -17
+        --output "$out/numpy_engine-$gpu-row-blocks.json" 2>&1 | tail -17
     ;;
 gemv)
     # Issue 16 item 2 on 16 cores (behind the peer on three L1 cases): each product's time
