@@ -148,9 +148,11 @@ scale)
     # ring kept with the parked engine between fits, rh-dask.relay.keep-ring) against
     # relay-fresh (a fresh ring every fit: its first chunk into each slot cost its relay
     # 105-123 ms against 31-35, scale_out-plateau-*.json) at every N, three timed fits
-    # each after the untimed whole warm-up; lookahead max(8, 2 N). Coefficients
-    # bit-identical; targets 18 M rows/s at N = 4 and 0.8 x N x floor (docs/performance.md,
-    # Scale-out).
+    # each after the untimed whole warm-up; lookahead max(8, 2 N); relays and loader
+    # threads per N as scale_out.py's relays_and_threads chooses (N = 1, 2: 2 threads
+    # per core, 4 relays; N = 4: 2 threads, 8 relays; N = 8: 1 thread, 4 relays).
+    # Coefficients bit-identical; targets 18 M rows/s at N = 4 and 0.8 x N x floor
+    # (docs/performance.md, Scale-out).
     timeout 590 python benchmarks/scale_out.py --engine gpu --sources pread --loaders 1,2,4,8 \
         --compare relay,relay-fresh --repeats 3 --lookahead auto --skip comm,relay-ceiling \
         --output "$out/scale_out-pread.json" 2>&1 | grep -E "^N=|floor|n4"
@@ -181,8 +183,9 @@ plateau)
     # ms on the dev box, the wall engine-bound there).
     #   bash benchmarks/device_pending.sh plateau [base fresh refill1 l16 relays8 engine4 pageable
     #                                              n8 n8relays5]
+    # Four relays and one thread per loader, as when these variants were first run.
     common=(--engine gpu --sources pread --loaders 4 --compare relay --repeats 3
-        --skip comm,relay-ceiling)
+        --skip comm,relay-ceiling --relays 4 --loader-threads 1)
     variants=("${@:2}")
     [ ${#variants[@]} -eq 0 ] && variants=(base fresh refill1 l16)
     for variant in "${variants[@]}"; do

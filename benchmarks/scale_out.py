@@ -29,7 +29,8 @@ computed from these: throughput / min(N × load floor, engine floor) (target
 Writes ``--output`` (JSON) and a scaling plot next to it (PNG; ``--plot-only
 A.json [B.json ...]`` draws one from earlier results).
 
-    # device (H200, 16 cores): the cheap source, N = 1, 2, 4, 8
+    # device (H200, 16 cores): the cheap source, N = 1, 2, 4, 8 (relays and the
+    # loaders' task threads per N: relays_and_threads)
     python benchmarks/scale_out.py --engine gpu --sources pread \\
         --output benchmarks/results/scale_out-h200-pread.json
     # dev box (2 cores), NumPy engine, tiny sizes, cores shared
@@ -363,6 +364,44 @@ def load_floor(
 
 
 # -- cores and processes ----------------------------------------------------------------------
+def auto_or_int(text: str) -> str | int:
+    return "auto" if text == "auto" else int(text)
+
+
+#: Relays with ``--relays auto``, at least: the count every run before had.
+MIN_RELAYS = 4
+
+
+def relays_and_threads(n: int, args: argparse.Namespace, cpus: int) -> tuple[int, int]:
+    """Relay workers and task threads per loading core for N loading workers.
+
+    ``auto`` follows what H100 runs measured (docs/performance.md, "Two sends
+    in flight per loader"): a chunk sent with ``sendfile`` spends most of its
+    task waiting for its relay to receive it (one relay core takes one
+    stream at about 4 GB/s), so a loading worker of the cheap source
+    delivers about 1.4x more with two task threads per core, provided that
+    every send in flight has a relay of its own: with two threads per core
+    and four relays N = 4 was slower than with one thread, with eight
+    relays faster. So the relays are one per send in flight (at least
+    :data:`MIN_RELAYS`) as far as the cores allow, leaving one core idle
+    for the host (a fifth relay beside eight single-core loaders, which
+    left none, made N = 8 slower); two threads per core only where the
+    relays go round, and only for sources sent from files (a decoded
+    chunk's task is bound by its core, not by its relay).
+    """
+    free = cpus - args.control_cores - args.engine_cores - n * args.cores_per_loader - 1
+    sent_from_files = set(args.sources) <= {"pread"}
+    if args.loader_threads != "auto":
+        threads = int(args.loader_threads)
+    else:
+        wanted = 2 * n * args.cores_per_loader
+        threads = 2 if sent_from_files and min(max(MIN_RELAYS, wanted), free) >= wanted else 1
+    if args.relays != "auto":
+        return int(args.relays), threads
+    sends = n * args.cores_per_loader * threads
+    return max(1, min(max(MIN_RELAYS, sends), free)), threads
+
+
 def plan_cores(
     cpus: list[int],
     *,
@@ -470,7 +509,7 @@ class ProcessCluster:
         # GPU=1 whatever the engine: the fits name this worker, the resource tells its role.
         self._worker("engine", "engine", self.plan["engine"], {"GPU": 1}, gpu=True)
         for i, cores in enumerate(self.plan["loaders"]):
-            threads = self.args.loader_threads or len(cores)
+            threads = self.plan["loader_threads"] * len(cores)
             self._worker(f"loader-{i}", "loader", cores, {}, gpu=False, threads=threads)
         self.client = Client(self.address, direct_to_workers=True)
         self.client.wait_for_workers(1 + len(self.plan["loaders"]), timeout=120)
@@ -1235,12 +1274,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--cores-per-loader", type=int, default=1)
     p.add_argument(
         "--loader-threads",
-        type=int,
-        default=None,
-        help="task threads per loading worker (default: one per core); a chunk sent with "
-        "sendfile mostly waits on its relay, so two threads keep two sends in flight",
+        type=auto_or_int,
+        default="auto",
+        help="task threads per core of a loading worker (auto: relays_and_threads)",
     )
-    p.add_argument("--relays", type=int, default=4)
+    p.add_argument(
+        "--relays",
+        type=auto_or_int,
+        default="auto",
+        help="relay workers, one core each (auto: relays_and_threads)",
+    )
     p.add_argument("--engine-cores", type=int, default=2)
     p.add_argument("--control-cores", type=int, default=1, help="scheduler and this process")
     p.add_argument("--allow-overlap", action="store_true", help="share CPUs when too few")
@@ -1353,7 +1396,7 @@ def benchmark(args: argparse.Namespace) -> int:
         cpus,
         control=args.control_cores,
         engine=args.engine_cores,
-        relays=args.relays,
+        relays=relays_and_threads(1, args, len(cpus))[0],
         loaders=1,
         per_loader=args.cores_per_loader,
         allow_overlap=args.allow_overlap,
@@ -1388,16 +1431,24 @@ def benchmark(args: argparse.Namespace) -> int:
     workdir = Path(tempfile.mkdtemp(prefix="rh-scale-out-"))
     try:
         for n in ints(args.loaders):
+            relays, threads = relays_and_threads(n, args, len(cpus))
             plan = plan_cores(
                 cpus,
                 control=args.control_cores,
                 engine=args.engine_cores,
-                relays=args.relays,
+                relays=relays,
                 loaders=n,
                 per_loader=args.cores_per_loader,
                 allow_overlap=args.allow_overlap,
             )
-            entry: dict[str, Any] = {"n_loaders": n, "cores_per_loader": args.cores_per_loader}
+            if isinstance(plan, dict):
+                plan["loader_threads"] = threads
+            entry: dict[str, Any] = {
+                "n_loaders": n,
+                "cores_per_loader": args.cores_per_loader,
+                "relays": relays,
+                "loader_threads_per_core": threads,
+            }
             if isinstance(plan, str):
                 entry["skipped"] = plan
                 payload["results"].append(entry)
