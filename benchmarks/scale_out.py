@@ -376,7 +376,7 @@ def relays_and_threads(n: int, args: argparse.Namespace, cpus: int) -> tuple[int
     """Relay workers and task threads per loading core for N loading workers.
 
     ``auto`` follows what H100 runs measured (docs/performance.md, "Two sends
-    in flight per loader"): a chunk sent with ``sendfile`` spends most of its
+    in flight per loading core"): a chunk sent with ``sendfile`` spends most of its
     task waiting for its relay to receive it (one relay core takes one
     stream at about 4 GB/s), so a loading worker of the cheap source
     delivers about 1.4x more with two task threads per core, provided that
