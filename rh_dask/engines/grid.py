@@ -383,7 +383,7 @@ class GridEngine:
                 huber = mae = np.full(self.n_configs, np.nan)
                 if pending is not None:
                     huber, mae = pending.result()
-                weight = _batch_weight(n, w)
+                weight = _batch_weight(n, None if w is None else w.get())
         else:
             w = sample_weight
             n = self._check_batch(X, y, w)
@@ -496,14 +496,11 @@ def _check_configs(configs: tuple[HuberConfig, ...]) -> None:
         raise ValidationError("the grid has duplicate configurations")
 
 
-def _batch_weight(n: int, w: Any | None) -> float:
+def _batch_weight(n: int, w: np.ndarray | None) -> float:
     """A batch's Σw as every engine's ``weight_sum`` takes it: correctly rounded.
 
     So the prequential means weigh a batch by exactly what its configurations
-    added to ``weight_sum``, on the host and on the device (whose weights are
-    fetched: a vector, after the solves have synchronised anyway).
+    added to ``weight_sum``. ``w`` is on the host (a device batch's weights
+    are fetched after its solves, which have synchronised anyway).
     """
-    if w is None:
-        return float(n)
-    host = w if isinstance(w, np.ndarray) else getattr(w, "get", lambda: np.asarray(w))()
-    return sum_weights(np.asarray(host))
+    return float(n) if w is None else sum_weights(w)
