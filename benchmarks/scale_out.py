@@ -394,8 +394,8 @@ def relays_and_threads(n: int, args: argparse.Namespace, cpus: int) -> tuple[int
     if args.loader_threads != "auto":
         threads = int(args.loader_threads)
     else:
-        wanted = 2 * n * args.cores_per_loader
-        threads = 2 if sent_from_files and min(max(MIN_RELAYS, wanted), free) >= wanted else 1
+        # Two threads per core where the free cores hold a relay for every send.
+        threads = 2 if sent_from_files and free >= 2 * n * args.cores_per_loader else 1
     if args.relays != "auto":
         return int(args.relays), threads
     sends = n * args.cores_per_loader * threads
