@@ -90,7 +90,7 @@ class BatchRunner:
         staged: StagedBatch | None,
         counters: Counters | None,
         accumulate_k: bool,
-    ) -> Generator[None, None, tuple[BatchDiagnostics, Counters]]:
+    ) -> Generator[None, None, tuple[BatchDiagnostics, Counters, float]]:
         """Fit one batch of device arrays, yielding wherever the host must wait.
 
         Each ``yield`` follows work whose status the next step reads: the
@@ -101,8 +101,8 @@ class BatchRunner:
         be interleaved on one thread). ``counters`` are those before the
         batch (``None``: an empty stream, whose β, J and K are zeroed first).
         ``accumulate_k``: add the batch's score Gram to K once the batch is
-        committed. Returns the batch's diagnostics and the counters after
-        it; nothing is committed when it raises.
+        committed. Returns the batch's diagnostics, the counters after it
+        and the batch's Σw (its row count when unweighted); nothing is committed when it raises.
 
         Raises
         ------
@@ -126,7 +126,10 @@ class BatchRunner:
             ws.K.fill(0)
         ws.ensure_rows(n)
         self._parts.dense.prepare(p, ws.H)
-        schedule = None if w is not None else batch_schedule(cfg, before, float(n))
+        # The batch's own Σw (the schedule's total is the stream's): read from the
+        # device below when the batch is weighted.
+        batch_weight = float(n)
+        schedule = None if w is not None else batch_schedule(cfg, before, batch_weight)
         self._write_header(schedule, p)
         calls.copy_to_device(ws.ctl_ptr, ws.header.ptr, layout.CTL_BYTES, stream.ptr)
         self._build(X, y, w, n, d, p)(stream.ptr)
@@ -136,10 +139,10 @@ class BatchRunner:
             # Σw decides N, h and λ: read it (and the validation flags) first.
             yield
             raise_if_invalid(ws.status_i)
-            total_w = float(ws.status_d[layout.S_WSUM])
-            if not total_w > 0:
+            batch_weight = float(ws.status_d[layout.S_WSUM])
+            if not batch_weight > 0:
                 raise ValidationError("sample_weight must have a positive sum")
-            schedule = batch_schedule(cfg, before, total_w)
+            schedule = batch_schedule(cfg, before, batch_weight)
             self._write_header(schedule, p)
             calls.copy_to_device(ws.ctl_ptr, ws.header.ptr, layout.N_PARAM * 8, stream.ptr)
         self._parts.launcher.follow(ws.generation)
@@ -160,8 +163,6 @@ class BatchRunner:
         if self._diagnostics:
             _, r = residuals(ws, n, p, self._parts.dense)
             weights = None if w is None else ws.w[:n]
-            # The batch's own weight (the schedule's total is the stream's).
-            batch_weight = float(n) if w is None else float(ws.status_d[layout.S_WSUM])
             robust = self._robust(r, weights, cfg.tau, batch_weight)
         diagnostics = BatchDiagnostics(
             iterations=int(ws.status_i[layout.I_ITER]),
@@ -181,7 +182,7 @@ class BatchRunner:
             previous_lambda=schedule.lambda_value,
             weight_sum=schedule.total_weight,
         )
-        return diagnostics, after
+        return diagnostics, after, batch_weight
 
     def _build(self, X: Any, y: Any, w: Any | None, n: int, d: int, p: int) -> Launch:
         """The ``rh_build`` launch of these inputs, packed once for their addresses.

@@ -224,6 +224,7 @@ class GpuEngine:
         self._dtype = config.np_dtype
         self._device_id = resolve_device(cp, device)
         self._closed = True
+        self._last_batch_weight: float | None = None
         with cp.cuda.Device(self._device_id):
             kernels = get_kernels(cp, self._device_id, self._dtype)
             self._calls = DriverCalls(cp, hold_gil=hold_gil)
@@ -350,10 +351,21 @@ class GpuEngine:
         return self._dense.math_mode
 
     # -- state ---------------------------------------------------------------------
+    @property
+    def last_batch_weight(self) -> float | None:
+        """Σw of the last batch (its row count when unweighted), as added to ``weight_sum``.
+
+        Computed on the device (correctly rounded, as the NumPy engine's); None
+        before the first batch and after :meth:`reset`, :meth:`import_state`
+        or :meth:`put_back`.
+        """
+        return self._last_batch_weight
+
     def reset(self) -> None:
         """Forget the stream; workspaces, handles and graphs are kept."""
         self._inputs.stager.discard_pending()
         self._state.forget()
+        self._last_batch_weight = None
 
     def coefficients(self) -> np.ndarray:
         """A host copy of β (intercept last)."""
@@ -379,6 +391,7 @@ class GpuEngine:
             configuration or the state is malformed; the engine is unchanged.
         """
         self._state.load(state, self.config.fit_intercept, self._dtype)
+        self._last_batch_weight = None
 
     def close(self) -> None:
         """Give pinned memory and library handles back to the process's pools; free the rest.
@@ -530,6 +543,7 @@ class GpuEngine:
         """Return to the state of :meth:`hold`, whatever happened since (a batch half done)."""
         with self._cp.cuda.Device(self._device_id):
             self._state.put_back(held)
+        self._last_batch_weight = None
 
     # -- internals ---------------------------------------------------------------------
     def _device_views(self, X: Any, y: Any, sample_weight: Any | None = None) -> tuple[Any, ...]:
@@ -545,8 +559,9 @@ class GpuEngine:
         self, X: Any, y: Any, w: Any | None, staged: Any
     ) -> Generator[None, None, BatchDiagnostics]:
         accumulate_k = self._state.accumulates_k(self._score_variance)
-        diagnostics, counters = yield from self._batches.steps(
+        diagnostics, counters, batch_weight = yield from self._batches.steps(
             X, y, w, staged, self._state.counters, accumulate_k
         )
         self._state.advance(counters, accumulated_k=accumulate_k)
+        self._last_batch_weight = batch_weight
         return diagnostics

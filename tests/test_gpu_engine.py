@@ -160,6 +160,7 @@ def _differential(config, batches, device_input=False, weights=None, kappa_noise
                 config, X, y, w, s_gpu.coefficients, s_ref.coefficients, d_ref.bandwidth
             )
         _assert_states_close(s_gpu, s_ref, config.dtype, what, noise)
+        assert gpu.last_batch_weight == ref.last_batch_weight, what
         assert d_gpu.converged == d_ref.converged, (what, d_gpu, d_ref)
         for key in ("objective", "lambda_value", "bandwidth"):
             _assert_close(getattr(d_gpu, key), getattr(d_ref, key), config.dtype, key)

@@ -8,6 +8,8 @@ On a GPU machine:
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pytest
 from devices import gpu_usable
@@ -72,6 +74,10 @@ def test_every_configuration_is_bit_identical_to_its_own_single_fit(
     assert grid.concurrent is concurrent
     records = list(grid.partial_fit_stream(batches))
     assert len(records) == len(batches) and records[1].scored
+    for record, batch in zip(records, batches, strict=True):
+        # The weight the configurations added to weight_sum, summed on the device.
+        exact = math.fsum(batch[2].astype(np.float64).tolist()) if weights else len(batch[1])
+        assert record.weight == exact
     for single, state in zip(_single_states(configs, batches), grid.export_states(), strict=True):
         assert single.equals(state)
     grid.close()

@@ -80,10 +80,47 @@ def test_a_records_weight_is_what_the_configurations_added_to_weight_sum():
     while math.fsum(w) == float(np.sum(w)):
         w = rng.uniform(0.5, 2.0, n)
     grid = GridEngine(_configs((0.7, 2.0)))
+    assert grid.engines[0].last_batch_weight is None
     record = grid.partial_fit(X, y, w)
-    assert record.weight == math.fsum(w)
+    assert record.weight == grid.engines[0].last_batch_weight == math.fsum(w)
     for state in grid.export_states():
         assert state.weight_sum == record.weight
+    # A second batch: the record holds the batch's own sum, not the stream's.
+    second = grid.partial_fit(X[:7000], y[:7000], w[:7000])
+    assert second.weight == math.fsum(w[:7000])
+    assert grid.partial_fit(X[:10], y[:10]).weight == 10.0
+    # An engine that does not report it: the grid sums the weights itself.
+    grid = GridEngine(_configs((0.7, 2.0)))
+    grid.engines = (_Unreporting(grid.configs[0]), grid.engines[1])
+    assert grid.partial_fit(X, y, w).weight == math.fsum(w)
+
+
+def test_the_numpy_engines_last_batch_weight_follows_its_stream():
+    rng = np.random.default_rng(4)
+    X = rng.standard_normal((500, 3))
+    y = X @ np.array([1.0, -2.0, 0.5]) + rng.standard_t(3, 500)
+    w = rng.uniform(0.5, 2.0, 500)
+    engine = NumpyEngine(_configs((1.0,))[0])
+    assert engine.last_batch_weight is None
+    engine.partial_fit(X, y, w)
+    assert engine.last_batch_weight == math.fsum(w)
+    state = engine.export_state()
+    with pytest.raises(ValidationError):
+        engine.partial_fit(X, y, -w)
+    assert engine.last_batch_weight == math.fsum(w)  # a refused batch changes nothing
+    engine.partial_fit(X[:200], y[:200])
+    assert engine.last_batch_weight == 200.0
+    engine.import_state(state)
+    assert engine.last_batch_weight is None
+    engine.partial_fit(X, y, w)
+    engine.reset()
+    assert engine.last_batch_weight is None
+
+
+class _Unreporting(NumpyEngine):
+    """A NumPy engine that does not report its batches' weight."""
+
+    last_batch_weight = None
 
 
 def test_estimator_totals_are_the_weighted_means_of_the_scored_batches(make_stream):

@@ -383,7 +383,7 @@ class GridEngine:
                 huber = mae = np.full(self.n_configs, np.nan)
                 if pending is not None:
                     huber, mae = pending.result()
-                weight = _batch_weight(n, None if w is None else w.get())
+                weight = self._batch_weight(n, w)
         else:
             w = sample_weight
             n = self._check_batch(X, y, w)
@@ -394,7 +394,7 @@ class GridEngine:
                     np, X, y, w, betas, self.fit_intercept, self.reference_tau
                 )
             diagnostics = self._fit_all(X, y, w)
-            weight = _batch_weight(n, w)
+            weight = self._batch_weight(n, w)
         record = GridRecord(
             batch=self.batch_count - 1,
             chunk=int(chunk),
@@ -465,6 +465,20 @@ class GridEngine:
             raise
         return diagnostics
 
+    def _batch_weight(self, n: int, w: Any | None) -> float:
+        """The batch's Σw, exactly what its configurations added to ``weight_sum``.
+
+        So the prequential means weigh a batch as its fits did. The engines
+        report it (the GPU engine's is computed on the device); one that does
+        not has it summed here, correctly rounded as every engine takes it.
+        """
+        if w is None:
+            return float(n)
+        reported = getattr(self.engines[0], "last_batch_weight", None)
+        if reported is not None:
+            return float(reported)
+        return sum_weights(w.get() if hasattr(w, "get") else w)
+
     def _held(self) -> list[HuberState | None]:
         """What each engine but the last holds (the last one's refusal is atomic)."""
         return [None if e.n_features_in is None else e.export_state() for e in self.engines[:-1]]
@@ -494,13 +508,3 @@ def _check_configs(configs: tuple[HuberConfig, ...]) -> None:
         )
     if len(set(configs)) != len(configs):
         raise ValidationError("the grid has duplicate configurations")
-
-
-def _batch_weight(n: int, w: np.ndarray | None) -> float:
-    """A batch's Σw as every engine's ``weight_sum`` takes it: correctly rounded.
-
-    So the prequential means weigh a batch by exactly what its configurations
-    added to ``weight_sum``. ``w`` is on the host (a device batch's weights
-    are fetched after its solves, which have synchronised anyway).
-    """
-    return float(n) if w is None else sum_weights(w)

@@ -545,6 +545,7 @@ class NumpyEngine:
         #: The threads of the products; None: measured per batch class.
         self.blas_threads = resolve_blas_threads(blas_threads)
         self._state: HuberState | None = None
+        self._last_batch_weight: float | None = None
         self._ws = _Workspace(config.np_dtype)
 
     # -- interface ----------------------------------------------------------------
@@ -564,8 +565,17 @@ class NumpyEngine:
     def n_samples_seen(self) -> int:
         return 0 if self._state is None else self._state.n_samples_seen
 
+    @property
+    def last_batch_weight(self) -> float | None:
+        """Σw of the last batch (its row count when unweighted), as added to ``weight_sum``.
+
+        None before the first batch and after :meth:`reset` or :meth:`import_state`.
+        """
+        return self._last_batch_weight
+
     def reset(self) -> None:
         self._state = None
+        self._last_batch_weight = None
 
     def coefficients(self) -> np.ndarray:
         return self._require_state().coefficients.copy()
@@ -575,6 +585,7 @@ class NumpyEngine:
 
     def import_state(self, state: HuberState) -> None:
         self._state = state.for_engine(self.config.fit_intercept, self.config.np_dtype)
+        self._last_batch_weight = None
 
     def predict(self, X: Any) -> np.ndarray:
         state = self._require_state()
@@ -654,6 +665,7 @@ class NumpyEngine:
             fit_intercept=cfg.fit_intercept,
             score_variance=score_variance,
         )
+        self._last_batch_weight = batch_weight
         return BatchDiagnostics(
             iterations=iterations,
             converged=converged,
