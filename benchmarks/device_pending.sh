@@ -145,16 +145,16 @@ gemv)
     ;;
 scale)
     # The cheap source read with rh_dask.read_npy, chunks sent with sendfile: relay (the
-    # ring kept with the parked engine between fits, rh-dask.relay.keep-ring) against
-    # relay-fresh (a fresh ring every fit: its first chunk into each slot cost its relay
-    # 105-123 ms against 31-35, scale_out-plateau-*.json) at every N, three timed fits
-    # each after the untimed whole warm-up; lookahead max(8, 2 N); relays and loader
-    # threads per N as scale_out.py's relays_and_threads chooses (N = 1, 2: 2 threads
-    # per core, 4 relays; N = 4: 2 threads, 8 relays; N = 8: 1 thread, 4 relays).
-    # Coefficients bit-identical; targets 18 M rows/s at N = 4 and 0.8 x N x floor
-    # (docs/performance.md, Scale-out).
+    # sends a loading worker keeps in flight as rh-dask.relay.file-sends: auto allows,
+    # its tasks seceding beyond its one task thread) against relay-one-send (file-sends
+    # 1: one send at a time, what a one-thread loader did before) at every N, three
+    # timed fits each after the untimed whole warm-up; lookahead max(8, 2 N); one task
+    # thread per loading core, relays per N as scale_out.py's relays_and_threads
+    # chooses (N = 1, 2: 4 relays, 2 sends per loader; N = 4: 8 relays, 2 sends;
+    # N = 8: 4 relays, 1 send). Coefficients bit-identical; targets 18 M rows/s at
+    # N = 4 and 0.8 x N x floor (docs/performance.md, Scale-out).
     timeout 590 python benchmarks/scale_out.py --engine gpu --sources pread --loaders 1,2,4,8 \
-        --compare relay,relay-fresh --repeats 3 --lookahead auto --skip comm,relay-ceiling \
+        --compare relay,relay-one-send --repeats 3 --lookahead auto --skip comm,relay-ceiling \
         --output "$out/scale_out-pread.json" 2>&1 | grep -E "^N=|floor|n4"
     ;;
 formats)

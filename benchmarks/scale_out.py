@@ -90,7 +90,10 @@ SOURCES = ("pread", "parquet", "zarr")
 #: source's chunks are read into the loading worker and sent from there, where
 #: "relay" sends them from the page cache with ``sendfile``. "relay-fresh" the TCP
 #: relay with ``rh-dask.relay.keep-ring: false``: every fit makes its own ring, where
-#: "relay" takes the one the previous fit left with the parked engine.
+#: "relay" takes the one the previous fit left with the parked engine. "relay-one-send"
+#: the TCP relay with ``rh-dask.relay.file-sends: 1``: a loading worker sends one file
+#: chunk at a time per task thread, where "relay" keeps as many in flight as
+#: ``rh-dask.relay.file-sends: auto`` allows.
 FIT_LOADERS = ("relay", "relay-dask", "cluster", "actor")
 RELAY_CONFIG = {
     "relay": {"rh-dask.relay.transport": "tcp"},
@@ -98,6 +101,7 @@ RELAY_CONFIG = {
     "relay-dask": {"rh-dask.relay.transport": "dask"},
     "relay-copy": {"rh-dask.relay.transport": "tcp", "rh-dask.relay.pin-ring": False},
     "relay-fresh": {"rh-dask.relay.transport": "tcp", "rh-dask.relay.keep-ring": False},
+    "relay-one-send": {"rh-dask.relay.transport": "tcp", "rh-dask.relay.file-sends": 1},
 }
 BENCH_DIR = Path(__file__).resolve().parent
 REPO_ROOT = BENCH_DIR.parent
@@ -376,29 +380,27 @@ def relays_and_threads(n: int, args: argparse.Namespace, cpus: int) -> tuple[int
     """Relay workers and task threads per loading core for N loading workers.
 
     ``auto`` follows what H100 runs measured (docs/performance.md, "Two sends
-    in flight per loading core"): a chunk sent with ``sendfile`` spends most of its
-    task waiting for its relay to receive it (one relay core takes one
+    in flight per loading core"): a chunk sent with ``sendfile`` spends most
+    of its task waiting for its relay to receive it (one relay core takes one
     stream at about 4 GB/s), so a loading worker of the cheap source
-    delivers about 1.4x more with two task threads per core, provided that
-    every send in flight has a relay of its own: with two threads per core
-    and four relays N = 4 was slower than with one thread, with eight
-    relays faster. So the relays are one per send in flight (at least
-    :data:`MIN_RELAYS`) as far as the cores allow, leaving one core idle
-    for the host (a fifth relay beside eight single-core loaders, which
-    left none, made N = 8 slower); two threads per core only where the
-    relays go round, and only for sources sent from files (a decoded
-    chunk's task is bound by its core, not by its relay).
+    delivers about 1.4x more with two sends in flight per core, provided that
+    every send in flight has a relay of its own (with two per core and four
+    relays N = 4 was slower than with one, with eight relays faster). The
+    library keeps those sends in flight itself (``rh-dask.relay.file-sends:
+    auto``: relays // loaders, at most two per task thread), so loading
+    workers get one task thread per core, and the relays are one per send
+    the library may keep in flight (at least :data:`MIN_RELAYS`) as far as
+    the cores allow, leaving one core idle for the host (a fifth relay
+    beside eight single-core loaders, which left none, made N = 8 slower).
+    Only sources sent from files keep more than one send in flight.
     """
     free = cpus - args.control_cores - args.engine_cores - n * args.cores_per_loader - 1
     sent_from_files = set(args.sources) <= {"pread"}
-    if args.loader_threads != "auto":
-        threads = int(args.loader_threads)
-    else:
-        # Two threads per core where the free cores hold a relay for every send.
-        threads = 2 if sent_from_files and free >= 2 * n * args.cores_per_loader else 1
+    threads = 1 if args.loader_threads == "auto" else int(args.loader_threads)
     if args.relays != "auto":
         return int(args.relays), threads
-    sends = n * args.cores_per_loader * threads
+    per_core = 2 if sent_from_files else 1
+    sends = n * args.cores_per_loader * max(threads, per_core)
     return max(1, min(max(MIN_RELAYS, sends), free)), threads
 
 

@@ -383,6 +383,12 @@ class Settings:
         parts are :func:`~rh_dask.read_npy` arrays used as they are goes from
         the loading worker's page cache to the relay with ``sendfile``, in
         one task, and the relay validates it (off: it loads as a task first).
+    relay_file_sends : int or "auto"
+        ``rh-dask.relay.file-sends``: the sends of such chunks a loading
+        worker keeps in flight; ``"auto"``: one per relay the loading
+        workers share, at least 1 and at most 2 per task thread
+        (:func:`~rh_dask.distributed.push.file_sends_per_loader`). Beyond
+        its task threads, a worker's sends leave its thread pool.
     auto_calibrate : bool
         ``rh-dask.engine.auto.calibrate``: ``engine="auto"`` times NumPy
         against the GPU on the first batch's shape (off: NumPy unless a CUDA
@@ -440,6 +446,7 @@ class Settings:
     relay_pin_ring: bool = True
     relay_keep_ring: bool = True
     relay_sendfile: bool = True
+    relay_file_sends: int | str = "auto"
     auto_calibrate: bool = True
     auto_probe_rows: int = 131_072
     auto_rounds: int = 3
@@ -533,6 +540,7 @@ _KEYS: dict[str, tuple[str, Callable[[str, Any], Any]]] = {
     "relay_pin_ring": ("rh-dask.relay.pin-ring", _flag),
     "relay_keep_ring": ("rh-dask.relay.keep-ring", _flag),
     "relay_sendfile": ("rh-dask.relay.sendfile", _flag),
+    "relay_file_sends": ("rh-dask.relay.file-sends", _threads_or_auto),
     "auto_calibrate": ("rh-dask.engine.auto.calibrate", _flag),
     "auto_probe_rows": ("rh-dask.engine.auto.probe-rows", _count),
     "auto_rounds": ("rh-dask.engine.auto.rounds", _count),

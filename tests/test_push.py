@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import socket
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -279,3 +280,62 @@ def test_the_transport_setting(monkeypatch):
     with dask.config.set({"rh-dask.relay.transport": "udp"}):
         with pytest.raises(SettingError, match=r"rh-dask\.relay\.transport"):
             Settings.from_config()
+
+
+@pytest.mark.parametrize(
+    ("relays", "loaders", "setting", "expected"),
+    [
+        (4, 1, "auto", (4, 2)),  # one loading worker: at most 2 a task thread
+        (4, 2, "auto", (2, 2)),
+        (8, 4, "auto", (2, 2)),
+        (4, 4, "auto", (1, 2)),  # one send a relay: one a loader
+        (4, 8, "auto", (1, 2)),  # more loaders than relays: still one each
+        (4, 0, "auto", (4, 2)),
+        (2, 2, 3, (3, None)),  # a number: that many, whatever the threads
+    ],
+)
+def test_file_sends_per_loader(relays, loaders, setting, expected):
+    assert push_module.file_sends_per_loader(relays, loaders, setting) == expected
+
+
+def test_file_sends_of_a_process_never_exceed_the_spec(tmp_path, monkeypatch):
+    # Outside a Dask worker no thread count bounds the limit, and nothing secedes.
+    send = push_module._send_file_chunk
+    lock = threading.Lock()
+    now, most = [0], [0]
+
+    def counted(sock, chunk, files):
+        with lock:
+            now[0] += 1
+            most[0] = max(most[0], now[0])
+        try:
+            time.sleep(0.05)
+            return send(sock, chunk, files)
+        finally:
+            with lock:
+                now[0] -= 1
+
+    monkeypatch.setattr(push_module, "_send_file_chunk", counted)
+    relay = _Relay(str(tmp_path), n_slots=6)
+    try:
+        base = relay.spec()
+        spec = PushSpec(base.ring_id, base.authkey, base.addresses, file_sends=2)
+        chunks = [_file_chunk(tmp_path, i)[0] for i in range(6)]
+        threads = [threading.Thread(target=push_file_chunk, args=(c, spec)) for c in chunks]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert most[0] == 2
+        assert sorted(n.index for n in relay.notes) == list(range(6))
+    finally:
+        relay.close()
+        push_module.forget_connections()
+
+
+def test_the_file_sends_setting():
+    import dask.config
+
+    assert Settings.from_config().relay_file_sends == "auto"
+    with dask.config.set({"rh-dask.relay.file-sends": "3"}):
+        assert Settings.from_config().relay_file_sends == 3

@@ -126,6 +126,8 @@ def test_values_are_read_from_dask_config_and_text_is_parsed():
         ("numpy_blas_threads", "all", '"auto" or a whole number >= 1'),
         ("refill_every", 0, '"auto" or a whole number >= 1'),
         ("refill_every", "often", '"auto" or a whole number >= 1'),
+        ("relay_file_sends", 0, '"auto" or a whole number >= 1'),
+        ("relay_file_sends", "many", '"auto" or a whole number >= 1'),
     ],
 )
 def test_a_malformed_value_is_refused_naming_its_key(field, value, expected):

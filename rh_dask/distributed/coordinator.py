@@ -86,7 +86,7 @@ from .placement import (
     scheduler_workers,
 )
 from .progress import StreamProgress
-from .push import PushSpec, push_chunk, push_file_chunk
+from .push import PushSpec, file_sends_per_loader, push_chunk, push_file_chunk
 from .relay import attach_relay, relay_chunk
 from .ring import RingSpec
 
@@ -524,12 +524,16 @@ class ClusterWalk:
             a: ok for a, ok in answers.items() if ok is True or (push and isinstance(ok, tuple))
         }
         self._relays = sorted(attached)
+        self._loaders = [w.address for w in loading_workers(workers, host, self._relays)]
         self._push = None
         if push:
             self._push = PushSpec(
                 self._ring.ring_id,
                 self._ring.authkey,
                 tuple(tuple(attached[a]) for a in self._relays),
+                *file_sends_per_loader(
+                    len(self._relays), len(self._loaders), self.settings.relay_file_sends
+                ),
             )
         self._answer(self._actor.seal_relay(), host.address)
         if not self._relays:
@@ -539,7 +543,6 @@ class ClusterWalk:
                 f"{self._ring.path!r} (they do not share that node's memory, or cannot open "
                 "the file; see rh-dask.relay.directory)"
             )
-        self._loaders = [w.address for w in loading_workers(workers, host, self._relays)]
         self.outcome.placement["relays"] = list(self._relays)
         self.outcome.placement["loaders"] = list(self._loaders)
         self.outcome.placement["relay_transport"] = "tcp" if push else "dask"

@@ -43,10 +43,11 @@ import select
 import socket
 import struct
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
+import distributed
 import numpy as np
 
 from ..exceptions import InputError, RingError
@@ -54,7 +55,7 @@ from .file_chunks import FileChunk, refusal
 from .items import BadChunk, ChunkItem, LoadedChunk
 from .ring import PartLayout, SlotNote, layout_of
 
-__all__ = ["PushServer", "PushSpec", "push_chunk", "push_file_chunk"]
+__all__ = ["PushServer", "PushSpec", "file_sends_per_loader", "push_chunk", "push_file_chunk"]
 
 logger = logging.getLogger(__name__)
 
@@ -71,6 +72,12 @@ _IO_SECONDS = 120.0
 _DRAIN_BYTES = 1 << 22
 
 
+#: File sends a loading worker keeps in flight per task thread under
+#: ``rh-dask.relay.file-sends: auto`` (two doubled one loading core's rate on an
+#: H100 machine; docs/performance.md, "Two sends in flight per loading core").
+AUTO_FILE_SENDS_PER_THREAD = 2
+
+
 @dataclass(frozen=True)
 class PushSpec:
     """Where a loading worker sends the chunks of one stream.
@@ -82,11 +89,35 @@ class PushSpec:
         The ring's key: connections prove they know it.
     addresses : tuple of (str, int)
         The relays' push servers, in the stream's order.
+    file_sends : int, default=1
+        File chunks (:func:`push_file_chunk`) a loading worker's process
+        keeps in flight at most.
+    file_sends_per_thread : int or None, default=None
+        A lower bound for a worker with few task threads: at most this
+        many per thread (None: none).
     """
 
     ring_id: str
     authkey: bytes
     addresses: tuple[tuple[str, int], ...]
+    file_sends: int = 1
+    file_sends_per_thread: int | None = None
+
+
+def file_sends_per_loader(relays: int, loaders: int, setting: int | str) -> tuple[int, int | None]:
+    """``(file_sends, file_sends_per_thread)`` of a stream's :class:`PushSpec`.
+
+    A send of a file chunk mostly waits for its relay, whose one receiving
+    core takes one stream at about the rate a loading core reads. So a
+    loading worker keeps more than one send in flight only where each of
+    them still gets a relay of its own: ``"auto"`` allows
+    ``max(1, relays // loaders)`` per worker and at most
+    :data:`AUTO_FILE_SENDS_PER_THREAD` per task thread; a number allows that
+    many per worker, whatever its threads.
+    """
+    if setting == "auto":
+        return max(1, relays // max(1, loaders)), AUTO_FILE_SENDS_PER_THREAD
+    return int(setting), None
 
 
 def _digest(key: bytes, challenge: bytes) -> bytes:
@@ -337,7 +368,10 @@ def _give_back(spec: PushSpec, address: tuple[str, int], sock: socket.socket) ->
 
 
 def forget_connections(ring_id: str | None = None) -> None:
-    """Close this process's idle connections (of one ring, or all)."""
+    """Close this process's idle connections (of one ring, or all), and forget its send slots."""
+    with _slots_lock:
+        for key in [k for k in _slots if ring_id is None or k[0] == ring_id]:
+            del _slots[key]
     with _pool_lock:
         keys = [k for k in _idle if ring_id is None or k[0] == ring_id]
         socks = [s for k in keys for s in _idle.pop(k)]
@@ -458,6 +492,48 @@ def push_file_chunk(chunk: FileChunk, spec: PushSpec) -> int:
     RingError
         When no relay takes the chunk.
     """
-    with contextlib.ExitStack() as stack:
+    with _file_send_slot(spec), contextlib.ExitStack() as stack:
         files = _open_parts(chunk, stack)
         return _push(chunk.index, lambda sock: _send_file_chunk(sock, chunk, files), spec)
+
+
+_slots_lock = threading.Lock()
+#: Per (ring, limit), newest last: the file sends this process may still start.
+#: A kept ring serves stream after stream; the oldest entries are dropped.
+_slots: dict[tuple[str, int], threading.BoundedSemaphore] = {}
+_MAX_SLOT_ENTRIES = 64
+
+
+@contextlib.contextmanager
+def _file_send_slot(spec: PushSpec) -> Iterator[None]:
+    """Hold one of this process's file sends of the stream; leave the task pool where it pays.
+
+    In a Dask worker whose task threads are fewer than the sends it may keep
+    in flight, the task secedes from the worker's thread pool once it holds
+    its slot (:func:`distributed.secede`): the worker then starts the next
+    chunk's task while this one waits for its relay. A task waiting for a
+    slot keeps its thread.
+    """
+    threads = _task_threads()
+    limit = spec.file_sends
+    if spec.file_sends_per_thread is not None and threads is not None:
+        limit = min(limit, spec.file_sends_per_thread * threads)
+    with _slots_lock:
+        slots = _slots.get((spec.ring_id, limit))
+        if slots is None:
+            slots = _slots[(spec.ring_id, limit)] = threading.BoundedSemaphore(limit)
+            while len(_slots) > _MAX_SLOT_ENTRIES:
+                del _slots[next(iter(_slots))]
+    with slots:
+        if threads is not None and limit > threads:
+            distributed.secede()
+        yield
+
+
+def _task_threads() -> int | None:
+    """The task threads of the Dask worker running this task (None: not in a worker's task)."""
+    try:
+        worker = distributed.get_worker()
+    except ValueError:
+        return None
+    return int(worker.state.nthreads)
