@@ -405,6 +405,7 @@ def test_file_sends_beyond_a_loaders_threads_leave_its_pool_and_equal_the_loop(
     with dask.config.set(settings):
         model.fit(Xd, yd, sample_weight=wd)
     assert model.placement_["relay_sendfile"] is True
+    assert model.placement_["relay_file_sends"] == (1 if file_sends == "auto" else 4)
     assert seen[0] == most
     _same(model, _loop(_row_blocks(X, y, w, [400] * 10)), assert_unchanged, snapshot)
     assert _left(ring_dir, client) == []

@@ -546,6 +546,8 @@ class ClusterWalk:
         self.outcome.placement["relays"] = list(self._relays)
         self.outcome.placement["loaders"] = list(self._loaders)
         self.outcome.placement["relay_transport"] = "tcp" if push else "dask"
+        if self._push is not None:
+            self.outcome.placement["relay_file_sends"] = self._push.file_sends
         self.outcome.placement["relay_ring_reused"] = self._ring.reused > 0
         self.outcome.placement.setdefault("relay_sendfile", False)
 
