@@ -101,7 +101,7 @@ def test_partial_fit_stream_prefetches_one_batch_ahead_with_or_without_weights()
     class Batches:
         def steps(self, X, y, w, staged, counters, accumulate_k):
             log.append(("fit", X, w))
-            return f"diagnostics {X}", SimpleNamespace(n_features_in=3)
+            return f"diagnostics {X}", SimpleNamespace(n_features_in=3), 10.0
             yield  # a generator that never needs its stream synchronised
 
     class State:
@@ -137,3 +137,4 @@ def test_partial_fit_stream_prefetches_one_batch_ahead_with_or_without_weights()
         ("views", "c", None),
         ("fit", "c", None),
     ]
+    assert engine.last_batch_weight == 10.0  # what the last batch's steps reported
