@@ -102,7 +102,8 @@ class BatchRunner:
         batch (``None``: an empty stream, whose β, J and K are zeroed first).
         ``accumulate_k``: add the batch's score Gram to K once the batch is
         committed. Returns the batch's diagnostics, the counters after it
-        and the batch's Σw (its row count when unweighted); nothing is committed when it raises.
+        and the batch's Σw (its row count when unweighted); nothing is
+        committed when it raises.
 
         Raises
         ------

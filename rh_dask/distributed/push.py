@@ -93,8 +93,8 @@ class PushSpec:
         File chunks (:func:`push_file_chunk`) a loading worker's process
         keeps in flight at most.
     file_sends_per_thread : int or None, default=None
-        A lower bound for a worker with few task threads: at most this
-        many per thread (None: none).
+        Also at most this many per task thread of the worker (None: no
+        such bound).
     """
 
     ring_id: str
