@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -132,3 +134,40 @@ def snapshot():
 def assert_unchanged():
     """Function asserting two snapshots are bit-identical."""
     return assert_same_snapshot
+
+
+class SendsInFlight:
+    """How many file chunks this process was sending at once, at most (``most``)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._now = 0
+        self.most = 0
+
+    def wrap(self, send: Any, seconds: float) -> Any:
+        def slowed(sock: Any, chunk: Any, files: Any) -> Any:
+            with self._lock:
+                self._now += 1
+                self.most = max(self.most, self._now)
+            try:
+                time.sleep(seconds)  # as a send that waits for its relay
+                return send(sock, chunk, files)
+            finally:
+                with self._lock:
+                    self._now -= 1
+
+        return slowed
+
+
+@pytest.fixture
+def slowed_file_sends(monkeypatch):
+    """Each file chunk's send slowed down; returns a :class:`SendsInFlight` counting them."""
+    from rh_dask.distributed import push as push_module
+
+    def slow(seconds: float) -> SendsInFlight:
+        counter = SendsInFlight()
+        send = push_module._send_file_chunk
+        monkeypatch.setattr(push_module, "_send_file_chunk", counter.wrap(send, seconds))
+        return counter
+
+    return slow

@@ -12,7 +12,6 @@ from __future__ import annotations
 import os
 import socket
 import threading
-import time
 
 import numpy as np
 import pytest
@@ -298,24 +297,9 @@ def test_file_sends_per_loader(relays, loaders, setting, expected):
     assert push_module.file_sends_per_loader(relays, loaders, setting) == expected
 
 
-def test_file_sends_of_a_process_never_exceed_the_spec(tmp_path, monkeypatch):
+def test_file_sends_of_a_process_never_exceed_the_spec(tmp_path, slowed_file_sends):
     # Outside a Dask worker no thread count bounds the limit, and nothing secedes.
-    send = push_module._send_file_chunk
-    lock = threading.Lock()
-    now, most = [0], [0]
-
-    def counted(sock, chunk, files):
-        with lock:
-            now[0] += 1
-            most[0] = max(most[0], now[0])
-        try:
-            time.sleep(0.05)
-            return send(sock, chunk, files)
-        finally:
-            with lock:
-                now[0] -= 1
-
-    monkeypatch.setattr(push_module, "_send_file_chunk", counted)
+    sends = slowed_file_sends(0.05)
     relay = _Relay(str(tmp_path), n_slots=6)
     try:
         base = relay.spec()
@@ -326,7 +310,7 @@ def test_file_sends_of_a_process_never_exceed_the_spec(tmp_path, monkeypatch):
             t.start()
         for t in threads:
             t.join()
-        assert most[0] == 2
+        assert sends.most == 2
         assert sorted(n.index for n in relay.notes) == list(range(6))
     finally:
         relay.close()

@@ -375,29 +375,12 @@ def test_a_fit_from_npy_files_sends_chunks_from_the_files_and_equals_the_loop(
 
 @pytest.mark.parametrize(("file_sends", "most"), [("auto", 1), (4, 4)])
 def test_file_sends_beyond_a_loaders_threads_leave_its_pool_and_equal_the_loop(
-    client, ring_dir, tmp_path, monkeypatch, file_sends, most, snapshot, assert_unchanged
+    client, ring_dir, tmp_path, slowed_file_sends, file_sends, most, snapshot, assert_unchanged
 ):
     # Each send is slowed, as one waiting for its relay. The two loading workers
     # have one task thread each and share this process (and so its limit):
     # "auto" allows relays // loaders = 1 send; 4 sends take seceded tasks.
-    from rh_dask.distributed import push as push_module
-
-    send = push_module._send_file_chunk
-    lock = threading.Lock()
-    now, seen = [0], [0]
-
-    def slowed(sock, chunk, files):
-        with lock:
-            now[0] += 1
-            seen[0] = max(seen[0], now[0])
-        try:
-            time.sleep(0.15)
-            return send(sock, chunk, files)
-        finally:
-            with lock:
-                now[0] -= 1
-
-    monkeypatch.setattr(push_module, "_send_file_chunk", slowed)
+    sends = slowed_file_sends(0.15)
     X, y, w = _data(n=4_000, seed=17, weights=True)
     Xd, yd, wd = _npy_inputs(tmp_path, X, y, w, 400)
     model = RenewableHuberRegressor(loader="relay", lookahead=8, progress=False)
@@ -406,7 +389,7 @@ def test_file_sends_beyond_a_loaders_threads_leave_its_pool_and_equal_the_loop(
         model.fit(Xd, yd, sample_weight=wd)
     assert model.placement_["relay_sendfile"] is True
     assert model.placement_["relay_file_sends"] == (1 if file_sends == "auto" else 4)
-    assert seen[0] == most
+    assert sends.most == most
     _same(model, _loop(_row_blocks(X, y, w, [400] * 10)), assert_unchanged, snapshot)
     assert _left(ring_dir, client) == []
 
