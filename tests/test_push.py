@@ -323,3 +323,15 @@ def test_the_file_sends_setting():
     assert Settings.from_config().relay_file_sends == "auto"
     with dask.config.set({"rh-dask.relay.file-sends": "3"}):
         assert Settings.from_config().relay_file_sends == 3
+
+
+def test_a_send_that_cannot_leave_its_pool_keeps_its_thread(relay, tmp_path, monkeypatch):
+    # A task thread that is not one of distributed's pools (here: no worker at
+    # all, though a thread count says one) sends all the same.
+    monkeypatch.setattr(push_module, "_task_threads", lambda: 1)
+    base = relay.spec()
+    spec = PushSpec(base.ring_id, base.authkey, base.addresses, file_sends=2)
+    chunk, item = _file_chunk(tmp_path, 0)
+    assert push_file_chunk(chunk, spec) == relay.notes[-1].nbytes > 0
+    X, _, _ = relay.ring.parts(relay.notes[-1])
+    _same(X, item.X)

@@ -526,8 +526,16 @@ def _file_send_slot(spec: PushSpec) -> Iterator[None]:
                 del _slots[next(iter(_slots))]
     with slots:
         if threads is not None and limit > threads:
-            distributed.secede()
+            _secede()
         yield
+
+
+def _secede() -> None:
+    """Leave the worker's thread pool; where the task runs outside it, keep the thread."""
+    try:
+        distributed.secede()
+    except (AttributeError, KeyError, ValueError) as exc:  # not one of distributed's pools
+        logger.debug("a file send keeps its task thread: %s", exc)
 
 
 def _task_threads() -> int | None:
