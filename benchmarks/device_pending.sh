@@ -147,7 +147,7 @@ scale)
     # The cheap source read with rh_dask.read_npy, chunks sent with sendfile: relay (the
     # sends a loading worker keeps in flight as rh-dask.relay.file-sends: auto allows,
     # its tasks seceding beyond its one task thread) against relay-one-send (file-sends
-    # 1: one send at a time, what a one-thread loader did before) at every N, three
+    # 1: one send at a time per loading worker) at every N, three
     # timed fits each after the untimed whole warm-up; lookahead max(8, 2 N); one task
     # thread per loading core, relays per N as scale_out.py's relays_and_threads
     # chooses (N = 1, 2: 4 relays, 2 sends per loader; N = 4: 8 relays, 2 sends;

@@ -1278,7 +1278,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--loader-threads",
         type=auto_or_int,
         default="auto",
-        help="task threads per core of a loading worker (auto: relays_and_threads)",
+        help="task threads per core of a loading worker (auto: 1, see relays_and_threads)",
     )
     p.add_argument(
         "--relays",
