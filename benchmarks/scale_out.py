@@ -394,12 +394,14 @@ def relays_and_threads(n: int, args: argparse.Namespace, cpus: int) -> tuple[int
     beside eight single-core loaders, which left none, made N = 8 slower).
     Only sources sent from files keep more than one send in flight.
     """
+    from rh_dask.distributed.push import AUTO_FILE_SENDS_PER_THREAD
+
     free = cpus - args.control_cores - args.engine_cores - n * args.cores_per_loader - 1
     sent_from_files = set(args.sources) <= {"pread"}
     threads = 1 if args.loader_threads == "auto" else int(args.loader_threads)
     if args.relays != "auto":
         return int(args.relays), threads
-    per_core = 2 if sent_from_files else 1
+    per_core = AUTO_FILE_SENDS_PER_THREAD if sent_from_files else 1
     sends = n * args.cores_per_loader * max(threads, per_core)
     return max(1, min(max(MIN_RELAYS, sends), free)), threads
 

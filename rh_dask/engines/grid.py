@@ -46,6 +46,7 @@ from ..core import sum_weights
 from ..exceptions import ValidationError
 from ..settings import grid_concurrent
 from ..state import BatchDiagnostics, HuberState
+from ..validation import is_device_array
 from . import make_engine
 from .base import Engine
 from .lockstep import advance_together, can_advance_together
@@ -477,7 +478,7 @@ class GridEngine:
         reported = getattr(self.engines[0], "last_batch_weight", None)
         if reported is not None:
             return float(reported)
-        return sum_weights(w.get() if hasattr(w, "get") else w)
+        return sum_weights(w.get() if is_device_array(w) else w)
 
     def _held(self) -> list[HuberState | None]:
         """What each engine but the last holds (the last one's refusal is atomic)."""
