@@ -155,7 +155,7 @@ scale)
     # N = 4 and 0.8 x N x floor (docs/performance.md, Scale-out).
     timeout 590 python benchmarks/scale_out.py --engine gpu --sources pread --loaders 1,2,4,8 \
         --compare relay,relay-one-send --repeats 3 --lookahead auto --skip comm,relay-ceiling \
-        --output "$out/scale_out-pread.json" 2>&1 | grep -E "^N=|floor|n4"
+        --output "$out/scale_out-pread.json" 2>&1 | grep -E "^N=|floor|n4|host copy"
     ;;
 formats)
     # Parquet and Zarr, whole 20M-row fits, lookahead max(8, 2 N): target ratio >= 1 at
@@ -168,7 +168,8 @@ formats)
     #       typing-extensions packaging
     timeout 560 python benchmarks/scale_out.py --engine gpu --sources parquet,zarr \
         --loaders 2,4,8 --compare relay --repeats 2 --lookahead auto \
-        --skip comm,relay-ceiling --output "$out/scale_out-formats.json" 2>&1 | grep -E "^N=|floor"
+        --skip comm,relay-ceiling,host-copy --output "$out/scale_out-formats.json" 2>&1 \
+        | grep -E "^N=|floor"
     ;;
 plateau)
     # From N = 4 on, the cheap source stayed at 16-19 M rows/s with loaders 65-76 % and

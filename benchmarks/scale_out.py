@@ -17,7 +17,11 @@ per process and role (sampled), and whether the coefficients equal, bit for
 bit, a single-process loop of ``engine.partial_fit`` over the same chunks.
 Once: the per-worker load floor (the source decoded into C-contiguous
 float32 arrays in one process on c cores, no Dask) and the engine floor (the
-engine alone on preloaded chunks, pinned for the GPU engine). Per N: the
+engine alone on preloaded chunks, pinned for the GPU engine), and the host's
+copy rate (chunk-sized memory copies in 1, 2, 4, 8 and all-but-one processes
+at once). Per N: the load floor on all N loading workers' cores at once (each
+process on other chunks, timed together: what the host's cores decode side by
+side, beside N × the one-process floor the targets use) and the
 transfer ceilings into the engine's node, over Dask's comm (N senders holding
 chunk-sized arrays, the engine's worker running tasks that depend on them)
 and over the relay path (the same senders, R relays, the shared-memory ring,
@@ -272,11 +276,35 @@ def fit_inputs(
 
 
 # -- the per-worker load floor (a subprocess on one loader's cores) --------------------------
-def _decode_chunks(source: str, dirs: dict[str, Path], chunk_rows: int, rows: int) -> list:
-    """Callables, one per chunk of the first ``rows`` rows, each decoding it to arrays."""
+def _decode_chunks(
+    source: str, dirs: dict[str, Path], chunk_rows: int, rows: int, skip: int = 0
+) -> list:
+    """Callables, one per chunk of ``rows`` rows, each decoding it to arrays.
+
+    The chunks start ``skip`` chunks into the source and wrap around its end,
+    so that floors measured together read different chunks, as loaders do.
+    """
+    jobs = _all_chunks(source, dirs, chunk_rows)
+    count = min(len(jobs), -(-rows // chunk_rows))
+    return [jobs[(skip + k) % len(jobs)] for k in range(count)]
+
+
+def _all_chunks(source: str, dirs: dict[str, Path], chunk_rows: int) -> list:
+    """Every chunk of ``source`` as a callable decoding it to arrays (X, y)."""
+    Xs, ys = NpyRows(str(dirs["npy"] / "X.npy")), NpyRows(str(dirs["npy"] / "y.npy"))
+    total = Xs.shape[0]
+    if source == "copy":  # no reading: a chunk's bytes copied in memory, the host's copy rate
+        # Four chunks each way, so that the copies come from memory, not a large L3.
+        src = np.ones((4, chunk_rows, Xs.shape[1] + 1), dtype=Xs.dtype)
+        dst = np.empty_like(src)
+
+        def copy(k: int) -> tuple[np.ndarray, np.ndarray]:
+            np.copyto(dst[k], src[k])
+            return dst[k], dst[k, :0, 0]
+
+        return [partial(copy, k % 4) for k in range(-(-total // chunk_rows))]
     if source == "pread":
-        Xs, ys = NpyRows(str(dirs["npy"] / "X.npy")), NpyRows(str(dirs["npy"] / "y.npy"))
-        return [lambda a=a, b=b: (Xs[a:b], ys[a:b]) for a, b in bounds(rows, chunk_rows)]
+        return [lambda a=a, b=b: (Xs[a:b], ys[a:b]) for a, b in bounds(total, chunk_rows)]
     if source == "parquet":
         import pyarrow.parquet as pq
 
@@ -289,7 +317,7 @@ def _decode_chunks(source: str, dirs: dict[str, Path], chunk_rows: int, rows: in
         for path in parquet_files(dirs["parquet"]):
             for g in range(pq.ParquetFile(path).num_row_groups):
                 jobs.append(lambda p=path, g=g: group(p, g))
-        return jobs[: -(-rows // chunk_rows)]
+        return jobs
     if source in ("zarr", "zarr-direct"):
         import zarr
 
@@ -302,14 +330,19 @@ def _decode_chunks(source: str, dirs: dict[str, Path], chunk_rows: int, rows: in
             zx, zy = direct_rows(zx, store, "X", None), direct_rows(zy, store, "y", None)
             if zx is None or zy is None:
                 raise ValueError("the Zarr store's arrays cannot be decoded directly")
-        return [lambda a=a, b=b: (zx[a:b], zy[a:b]) for a, b in bounds(rows, chunk_rows)]
+        return [lambda a=a, b=b: (zx[a:b], zy[a:b]) for a, b in bounds(total, chunk_rows)]
     raise ValueError(f"unknown source {source!r}")
 
 
 def floor_main(args: argparse.Namespace) -> int:
-    """Decode ``--floor-rows`` rows of one source with ``--floor-threads`` threads; JSON out."""
+    """Decode ``--floor-rows`` rows of one source with ``--floor-threads`` threads; JSON out.
+
+    With ``--floor-barrier DIR`` the process is one of several measured
+    together: after its warm-up it writes ``DIR/ready-PID`` and times nothing
+    until ``DIR/go`` exists.
+    """
     dirs = {k: Path(v) for k, v in json.loads(args.floor_dirs).items()}
-    jobs = _decode_chunks(args.floor, dirs, args.chunk_rows, args.floor_rows)
+    jobs = _decode_chunks(args.floor, dirs, args.chunk_rows, args.floor_rows, args.floor_skip)
 
     def decode(job: Callable[[], tuple[np.ndarray, np.ndarray]]) -> tuple[int, int]:
         X, y = job()
@@ -328,6 +361,14 @@ def floor_main(args: argparse.Namespace) -> int:
         }
 
     once()  # warm-up: page cache, imports
+    if args.floor_barrier:
+        barrier = Path(args.floor_barrier)
+        (barrier / f"ready-{os.getpid()}").touch()
+        deadline = time.monotonic() + 600
+        while not (barrier / "go").exists():
+            if time.monotonic() > deadline:
+                raise TimeoutError("no go from the benchmark within 600 s")
+            time.sleep(0.001)
     result = median_run(once, args.repeats)
     result["gb_per_second"] = result["bytes"] / result["wall_seconds"] / 1e9
     result["threads"] = args.floor_threads
@@ -365,6 +406,85 @@ def load_floor(
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     out["rows_per_second"] = out["rows"] / out["wall_seconds"]
     return out
+
+
+def load_floors_together(
+    source: str, dirs: dict[str, Path], cores: list[list[int]], args: argparse.Namespace
+) -> dict[str, Any]:
+    """The floor on every loading worker's cores at once: what this host's cores give together.
+
+    One floor subprocess per entry of ``cores``, each on other chunks of the
+    source; their timed runs start together once all have warmed up. The
+    per-worker rate is the mean (the sum over N), so N × it is what the N
+    cores decoded together; a host whose cores share memory bandwidth or
+    physical cores gives less than N × the one-process floor.
+    """
+    rows = min(args.floor_rows, args.fit_rows, args.together_rows)
+    n_chunks = -(-args.rows // args.chunk_rows)
+    with tempfile.TemporaryDirectory(prefix="rh-floor-") as barrier:
+        procs = []
+        for k, own in enumerate(cores):
+            cmd = [
+                sys.executable,
+                str(Path(__file__).resolve()),
+                "--floor",
+                source,
+                "--floor-dirs",
+                json.dumps({name: str(v) for name, v in dirs.items()}),
+                "--chunk-rows",
+                str(args.chunk_rows),
+                "--floor-rows",
+                str(rows),
+                "--floor-threads",
+                str(len(set(own))),
+                "--floor-skip",
+                str(k * n_chunks // len(cores)),
+                "--floor-barrier",
+                barrier,
+                "--repeats",
+                "1",
+            ]
+            env = process_env(len(set(own)))
+            procs.append(
+                subprocess.Popen(
+                    confined(cmd, own),
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.PIPE,
+                    text=True,
+                    env=env,
+                )
+            )
+        try:
+            deadline = time.monotonic() + 600
+            while len(list(Path(barrier).glob("ready-*"))) < len(procs):
+                if any(p.poll() is not None for p in procs) or time.monotonic() > deadline:
+                    break
+                time.sleep(0.005)
+            (Path(barrier) / "go").touch()
+            outs = [p.communicate(timeout=600) for p in procs]
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+    runs = []
+    for p, (stdout, stderr) in zip(procs, outs, strict=True):
+        if p.returncode != 0:
+            raise RuntimeError(f"together floor of {source} failed: {stderr[-2000:]}")
+        run = json.loads(stdout.strip().splitlines()[-1])
+        run["rows_per_second"] = run["rows"] / run["wall_seconds"]
+        runs.append(run)
+    rates = [r["rows_per_second"] for r in runs]
+    return {
+        "processes": len(runs),
+        "rows_per_second": sum(rates) / len(rates),
+        "sum_rows_per_second": sum(rates),
+        "min_rows_per_second": min(rates),
+        "max_rows_per_second": max(rates),
+        "gb_per_second": sum(r["gb_per_second"] for r in runs),
+        "runs": runs,
+        # median_run's interface: the benchmark's guarded() takes the median of these
+        "wall_seconds": max(r["wall_seconds"] for r in runs),
+    }
 
 
 # -- cores and processes ----------------------------------------------------------------------
@@ -1148,6 +1268,15 @@ def summarize_entry(
             # The issue's bound leaves the network out; on one host emulating nodes the
             # relay path's measured ceiling (the same senders, relays and ring, no
             # loading) is that network. Reported beside it, never instead of it.
+            # The same bound from the floor every loader's cores gave at once (this
+            # host's cores together), beside the issue's one-process floor.
+            together = entry.get("floors_together", {}).get(source, {}).get("rows_per_second")
+            if together:
+                both = n * together if engine_rps is None else min(n * together, engine_rps)
+                result["together_floor_rows_per_second"] = together
+                result["bound_together_rows_per_second"] = both
+                result["throughput_over_together_bound"] = result["rows_per_second"] / both
+                result["meets_target_together"] = result["rows_per_second"] >= 0.8 * both
             ceiling = entry.get("transfer", {}).get("relay", {}).get("rows_per_second")
             if ceiling:
                 with_net = min(bound, ceiling)
@@ -1182,6 +1311,12 @@ def summarize_scaling(payload: dict[str, Any]) -> dict[str, Any]:
                 "scaling_engine_capped": result["rows_per_second"] / capped,
                 "meets_target": result["rows_per_second"] / capped >= 0.7,
             }
+            # How the host's own floor scaled: N processes decoding at once against
+            # N × one process alone (1.0 when the cores do not slow each other).
+            solo = payload.get("floors", {}).get(source, {}).get("rows_per_second")
+            together = last.get("floors_together", {}).get(source, {}).get("rows_per_second")
+            if solo and together:
+                out[f"{source}/{loader}"]["host_floor_scaling"] = together / solo
     four = next((e for e in done if e["n_loaders"] == 4), None)
     relay4 = (four or {}).get("sources", {}).get("pread", {}).get("loaders", {}).get("relay", {})
     if "rows_per_second" in relay4:
@@ -1305,9 +1440,19 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--parquet-files", type=int, default=8)
     p.add_argument("--parquet-compression", default="snappy")
     p.add_argument("--floor-rows", type=int, default=4_194_304, help="rows of a load floor")
+    p.add_argument(
+        "--together-rows",
+        type=int,
+        default=2_097_152,
+        help="rows per process of the floors measured on all N loaders' cores at once",
+    )
     p.add_argument("--transfer-chunks", type=int, default=48, help="chunks per ceiling")
     p.add_argument("--ring-slots", type=int, default=8)
-    p.add_argument("--skip", default="", help="comma list of: comm,relay-ceiling,floors")
+    p.add_argument(
+        "--skip",
+        default="",
+        help="comma list of: comm,relay-ceiling,floors,floors-together,host-copy",
+    )
     p.add_argument("--config", default="", help="dask.config settings KEY=VALUE,...")
     p.add_argument("--quick", action="store_true", help="smoke run: 1 repeat, few chunks")
     p.add_argument("--plot-only", nargs="+", default=None, metavar="JSON")
@@ -1316,11 +1461,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--floor", default=None, help=argparse.SUPPRESS)
     p.add_argument("--floor-dirs", default=None, help=argparse.SUPPRESS)
     p.add_argument("--floor-threads", type=int, default=1, help=argparse.SUPPRESS)
+    p.add_argument("--floor-skip", type=int, default=0, help=argparse.SUPPRESS)
+    p.add_argument("--floor-barrier", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.quick:
         args.repeats = 1
         args.transfer_chunks = min(args.transfer_chunks, 8)
         args.floor_rows = min(args.floor_rows, 4 * args.chunk_rows)
+        args.together_rows = min(args.together_rows, 2 * args.chunk_rows)
         args.fit_rows = min(args.fit_rows or args.rows, 16 * args.chunk_rows)
     args.fit_rows = min(args.fit_rows or args.rows, args.rows)
     if isinstance(args.sources, str):
@@ -1378,6 +1526,7 @@ def benchmark(args: argparse.Namespace) -> int:
         "cpus": cpus,
         "floors": {},
         "reader_floors": {},
+        "host_copy": {},
         "results": [],
     }
     output = Path(args.output)
@@ -1431,6 +1580,23 @@ def benchmark(args: argparse.Namespace) -> int:
                 f"{payload['reader_floors']['zarr-direct'].get('rows_per_second')}",
                 flush=True,
             )
+    if "host-copy" not in skip:
+        # Chunk-sized memory copies in K processes on K cores at once: the host's own
+        # bound on moving bytes, which every stage of the relay path spends.
+        counts = sorted({k for k in (1, 2, 4, 8, len(cpus) - 1) if 1 <= k < len(cpus)})
+        for k in counts:
+            cores = [[c] for c in cpus[1 : 1 + k]]
+            guarded(
+                payload["host_copy"],
+                str(k),
+                lambda cores=cores: load_floors_together("copy", dirs, cores, args),
+                repeats=1,
+            )
+            print(
+                f"host copy, {k} processes: "
+                f"{payload['host_copy'][str(k)].get('gb_per_second')} GB/s",
+                flush=True,
+            )
     refs = References(args, npy_dir)
     workdir = Path(tempfile.mkdtemp(prefix="rh-scale-out-"))
     try:
@@ -1458,7 +1624,24 @@ def benchmark(args: argparse.Namespace) -> int:
                 payload["results"].append(entry)
                 print(f"N={n} skipped: {plan}", flush=True)
                 continue
-            entry.update(cores=plan, sources={}, transfer={})
+            entry.update(cores=plan, sources={}, transfer={}, floors_together={})
+            if "floors-together" not in skip:
+                own = plan["loaders"]
+                for source in args.sources:
+                    guarded(
+                        entry["floors_together"],
+                        source,
+                        partial(load_floors_together, source, dirs, own, args),
+                        repeats=1,
+                    )
+                    together = entry["floors_together"][source]
+                    print(
+                        f"N={n} floor {source} together: "
+                        f"{together.get('rows_per_second')} per worker "
+                        f"({together.get('min_rows_per_second')}-"
+                        f"{together.get('max_rows_per_second')})",
+                        flush=True,
+                    )
             run_cluster(entry, args, plan, loaders, dirs, refs, workdir / f"n{n}", skip)
             summarize_entry(entry, payload["floors"], engine_rps)
             payload["results"].append(entry)
