@@ -222,6 +222,48 @@ def rh_auto_cold(config, batches, runner):
     return out
 
 
+def auto_paired(config, batches, engine: str, pairs: int) -> dict[str, Any]:
+    """``engine="auto"`` against the engine it chose, fresh estimators, pairs in both orders.
+
+    The blocked timings of ``rh_auto`` and the explicit engines run minutes
+    apart in one process, so a drift of the host (clocks, other processes,
+    BLAS threads winding down) lands on one side. Here every pair times one
+    stream of each, back to back, the order alternating; what is left
+    between the two is what ``engine="auto"`` itself costs per stream (its
+    decision is cached by then: the blocked run calibrated).
+    """
+    params = config.to_dict()
+
+    def stream(name: str) -> float:
+        _sync()
+        start = time.perf_counter()
+        model = RenewableHuberRegressor(engine=name, **params)
+        for X, y in batches:
+            model.partial_fit(X, y)
+        _sync()
+        elapsed = time.perf_counter() - start
+        if name == "auto" and model.engine_ != engine:
+            raise RuntimeError(f"auto chose {model.engine_} in a pair, {engine} before")
+        return elapsed
+
+    stream("auto"), stream(engine)  # warm: both the same as the timed ones
+    times: dict[str, list[float]] = {"auto": [], engine: []}
+    for k in range(pairs):
+        for name in ("auto", engine) if k % 2 == 0 else (engine, "auto"):
+            times[name].append(stream(name))
+    ratios = [a / b for a, b in zip(times["auto"], times[engine], strict=True)]
+    return {
+        "engine": engine,
+        "pairs": pairs,
+        "auto_seconds": times["auto"],
+        "engine_seconds": times[engine],
+        "auto_median": statistics.median(times["auto"]),
+        "engine_median": statistics.median(times[engine]),
+        "ratio_of_medians": statistics.median(times["auto"]) / statistics.median(times[engine]),
+        "median_ratio": statistics.median(ratios),
+    }
+
+
 def rh_gpu_steady(config, batches, runner, mode, gpu_options=None):
     import cupy as cp
 
@@ -444,6 +486,16 @@ def sweep(args: argparse.Namespace) -> dict[str, Any]:
                     # GPU stream was slower (reference float64 on the H200: 25.3 ms
                     # there, 20.0 here, one run each).
                     record("rh_auto", "cold", rh_auto_cold, *common, cpu_runner)
+                    chosen = res.get("rh_auto", {}).get("cold", {}).get("auto_choice", {})
+                    if args.auto_pairs and chosen.get("later_engine") in ("gpu", "numpy"):
+                        record(
+                            "rh_auto",
+                            "paired",
+                            auto_paired,
+                            *common,
+                            chosen["later_engine"],
+                            args.auto_pairs,
+                        )
                 record("rh_numpy", "steady", rh_numpy_steady, *common, cpu_runner)
                 if args.cold and not args.quick:
                     record("rh_numpy", "cold", rh_estimator_cold, *common, cpu_runner, "numpy")
@@ -678,6 +730,14 @@ def auto_summary(case: dict[str, Any]) -> dict[str, Any]:
         out["auto_best_explicit"] = best
         out["auto_over_best"] = entry["median"] / explicit[best]
         out["auto_target_met"] = out["auto_over_best"] <= AUTO_TARGET
+    paired = case["results"].get("rh_auto", {}).get("paired")
+    if paired and "ratio_of_medians" in paired:
+        # auto's own cost per stream, against the engine it chose, timed in pairs.
+        out["auto_paired_engine"] = paired["engine"]
+        out["auto_over_chosen_paired"] = paired["ratio_of_medians"]
+        if paired["engine"] == out.get("auto_best_explicit"):
+            out["auto_over_best_paired"] = paired["ratio_of_medians"]
+            out["auto_paired_target_met"] = paired["ratio_of_medians"] <= AUTO_TARGET
     return out
 
 
@@ -722,6 +782,10 @@ def one_line(case: dict[str, Any]) -> str:
             parts.append(
                 f"(x{auto['auto_over_best']:.2f} of {auto['auto_best_explicit']}, "
                 f"<= {AUTO_TARGET}: {met})"
+            )
+        if "auto_over_chosen_paired" in auto:
+            parts.append(
+                f"paired x{auto['auto_over_chosen_paired']:.3f} of {auto['auto_paired_engine']}"
             )
     cold = cold_ratio(case)
     if "cold_host_over_device" in cold:
@@ -846,6 +910,12 @@ def main(argv: list[str] | None = None) -> int:
         help="also time the cold lifecycle (the default; --no-cold skips it)",
     )
     parser.add_argument("--no-cold", dest="cold", action="store_false")
+    parser.add_argument(
+        "--auto-pairs",
+        type=int,
+        default=10,
+        help="pairs of cold streams, auto and the engine it chose, alternating (0: none)",
+    )
     parser.add_argument(
         "--quick",
         action="store_true",
