@@ -28,7 +28,9 @@ whole stream (empty state → last batch) is timed through:
 * ``rh_auto``         rh-dask ``engine="auto"``, fresh estimator per stream (cold lifecycle
                       only): the engine it chose, its calibration's cost (paid once per process,
                       in the warm-up run) and its time against the faster of ``rh_numpy`` and
-                      ``rh_gpu_host`` cold
+                      ``rh_gpu_host`` cold; then ``--auto-pairs`` rounds of one cold stream
+                      each of auto and those engines back to back, the order rotating
+                      (``paired``: the same ratio without the drift between blocks)
 
 ``--gpu-option NAME=VALUE`` passes a ``GpuEngine`` keyword to every steady GPU mode (e.g.
 ``device_loop=auto``, ``wide_kernels=true``: options that are off by default).
@@ -222,17 +224,19 @@ def rh_auto_cold(config, batches, runner):
     return out
 
 
-def auto_paired(config, batches, engine: str, pairs: int) -> dict[str, Any]:
-    """``engine="auto"`` against the engine it chose, fresh estimators, pairs in both orders.
+def auto_paired(config, batches, engines: list[str], pairs: int) -> dict[str, Any]:
+    """``engine="auto"`` and the explicit ``engines``, fresh estimators, timed in rotation.
 
     The blocked timings of ``rh_auto`` and the explicit engines run minutes
     apart in one process, so a drift of the host (clocks, other processes,
-    BLAS threads winding down) lands on one side. Here every pair times one
-    stream of each, back to back, the order alternating; what is left
-    between the two is what ``engine="auto"`` itself costs per stream (its
-    decision is cached by then: the blocked run calibrated).
+    BLAS threads winding down) lands on one side. Here every round times one
+    stream of each, back to back, the order rotating; the medians compare
+    ``engine="auto"`` with the faster explicit engine, and with the one it
+    chose (what it costs itself per stream; its decision is cached by then:
+    the blocked run calibrated).
     """
     params = config.to_dict()
+    chosen: set[str] = set()
 
     def stream(name: str) -> float:
         _sync()
@@ -242,26 +246,31 @@ def auto_paired(config, batches, engine: str, pairs: int) -> dict[str, Any]:
             model.partial_fit(X, y)
         _sync()
         elapsed = time.perf_counter() - start
-        if name == "auto" and model.engine_ != engine:
-            raise RuntimeError(f"auto chose {model.engine_} in a pair, {engine} before")
+        if name == "auto":
+            chosen.add(model.engine_)
         return elapsed
 
-    stream("auto"), stream(engine)  # warm: both the same as the timed ones
-    times: dict[str, list[float]] = {"auto": [], engine: []}
+    names = ["auto", *engines]
+    for name in names:  # warm: each the same as its timed streams
+        stream(name)
+    times: dict[str, list[float]] = {name: [] for name in names}
     for k in range(pairs):
-        for name in ("auto", engine) if k % 2 == 0 else (engine, "auto"):
+        for name in names[k % len(names) :] + names[: k % len(names)]:
             times[name].append(stream(name))
-    ratios = [a / b for a, b in zip(times["auto"], times[engine], strict=True)]
-    return {
-        "engine": engine,
-        "pairs": pairs,
-        "auto_seconds": times["auto"],
-        "engine_seconds": times[engine],
-        "auto_median": statistics.median(times["auto"]),
-        "engine_median": statistics.median(times[engine]),
-        "ratio_of_medians": statistics.median(times["auto"]) / statistics.median(times[engine]),
-        "median_ratio": statistics.median(ratios),
+    medians = {name: statistics.median(t) for name, t in times.items()}
+    best = min(engines, key=medians.__getitem__)
+    engine = chosen.pop() if len(chosen) == 1 else None
+    out: dict[str, Any] = {
+        "rounds": pairs,
+        "seconds": times,
+        "medians": medians,
+        "chosen": engine,
+        "best_explicit": best,
+        "auto_over_best": medians["auto"] / medians[best],
     }
+    if engine in medians:
+        out["auto_over_chosen"] = medians["auto"] / medians[engine]
+    return out
 
 
 def rh_gpu_steady(config, batches, runner, mode, gpu_options=None):
@@ -486,16 +495,15 @@ def sweep(args: argparse.Namespace) -> dict[str, Any]:
                     # GPU stream was slower (reference float64 on the H200: 25.3 ms
                     # there, 20.0 here, one run each).
                     record("rh_auto", "cold", rh_auto_cold, *common, cpu_runner)
-                    chosen = res.get("rh_auto", {}).get("cold", {}).get("auto_choice", {})
-                    if args.auto_pairs and chosen.get("later_engine") in ("gpu", "numpy"):
-                        record(
-                            "rh_auto",
-                            "paired",
-                            auto_paired,
-                            *common,
-                            chosen["later_engine"],
-                            args.auto_pairs,
-                        )
+                    # The explicit engines this run times cold, beside auto in rotation.
+                    explicit = [
+                        e
+                        for e, name in (("gpu", "rh_gpu_host"), ("numpy", "rh_numpy"))
+                        if name in engines
+                    ]
+                    if args.auto_pairs and "rh_auto" in res and explicit:
+                        rounds = args.auto_pairs
+                        record("rh_auto", "paired", auto_paired, *common, explicit, rounds)
                 record("rh_numpy", "steady", rh_numpy_steady, *common, cpu_runner)
                 if args.cold and not args.quick:
                     record("rh_numpy", "cold", rh_estimator_cold, *common, cpu_runner, "numpy")
@@ -731,13 +739,13 @@ def auto_summary(case: dict[str, Any]) -> dict[str, Any]:
         out["auto_over_best"] = entry["median"] / explicit[best]
         out["auto_target_met"] = out["auto_over_best"] <= AUTO_TARGET
     paired = case["results"].get("rh_auto", {}).get("paired")
-    if paired and "ratio_of_medians" in paired:
-        # auto's own cost per stream, against the engine it chose, timed in pairs.
-        out["auto_paired_engine"] = paired["engine"]
-        out["auto_over_chosen_paired"] = paired["ratio_of_medians"]
-        if paired["engine"] == out.get("auto_best_explicit"):
-            out["auto_over_best_paired"] = paired["ratio_of_medians"]
-            out["auto_paired_target_met"] = paired["ratio_of_medians"] <= AUTO_TARGET
+    if paired and "auto_over_best" in paired:
+        # The same comparison timed in rotation (auto_paired), and auto's own cost.
+        out["auto_paired_best_explicit"] = paired["best_explicit"]
+        out["auto_over_best_paired"] = paired["auto_over_best"]
+        out["auto_paired_target_met"] = paired["auto_over_best"] <= AUTO_TARGET
+        if "auto_over_chosen" in paired:
+            out["auto_over_chosen_paired"] = paired["auto_over_chosen"]
     return out
 
 
@@ -783,9 +791,12 @@ def one_line(case: dict[str, Any]) -> str:
                 f"(x{auto['auto_over_best']:.2f} of {auto['auto_best_explicit']}, "
                 f"<= {AUTO_TARGET}: {met})"
             )
-        if "auto_over_chosen_paired" in auto:
+        if "auto_over_best_paired" in auto:
+            met = "met" if auto["auto_paired_target_met"] else "NOT met"
             parts.append(
-                f"paired x{auto['auto_over_chosen_paired']:.3f} of {auto['auto_paired_engine']}"
+                f"rotated x{auto['auto_over_best_paired']:.3f} of "
+                f"{auto['auto_paired_best_explicit']} ({met}; "
+                f"x{auto.get('auto_over_chosen_paired', float('nan')):.3f} of its choice)"
             )
     cold = cold_ratio(case)
     if "cold_host_over_device" in cold:
@@ -914,7 +925,8 @@ def main(argv: list[str] | None = None) -> int:
         "--auto-pairs",
         type=int,
         default=10,
-        help="pairs of cold streams, auto and the engine it chose, alternating (0: none)",
+        help="rounds of cold streams, auto and each explicit engine timed cold, in rotation "
+        "(0: none)",
     )
     parser.add_argument(
         "--quick",
