@@ -113,7 +113,8 @@ wide)
 sweep)
     # Every case of the issue's table: the NumPy engine against the peer's (item 2, 16
     # cores), the cold lifecycle of every engine (item 3), engine="auto"'s choice and its
-    # time against the faster engine (item 1, auto_over_best <= 1.1). The wide shapes are
+    # time against the faster engine (item 1, auto_over_best <= 1.1; auto_over_best_paired
+    # from cold streams of auto, GPU and NumPy timed in each order in turn). The wide shapes are
     # the part sweep-wide: both in one call passed its 10 minutes during wide2048 on an
     # H100 machine (shape_sweep-h100-quick-wide.json).
     python benchmarks/shape_sweep.py --quick \

@@ -29,7 +29,7 @@ whole stream (empty state → last batch) is timed through:
                       only): the engine it chose, its calibration's cost (paid once per process,
                       in the warm-up run) and its time against the faster of ``rh_numpy`` and
                       ``rh_gpu_host`` cold; then ``--auto-pairs`` rounds of one cold stream
-                      each of auto and those engines back to back, the order rotating
+                      each of auto and those engines back to back, each order in turn
                       (``paired``: the same ratio without the drift between blocks)
 
 ``--gpu-option NAME=VALUE`` passes a ``GpuEngine`` keyword to every steady GPU mode (e.g.
@@ -59,6 +59,7 @@ case; the JSON records how many each one got.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import statistics
 import time
@@ -230,7 +231,10 @@ def auto_paired(config, batches, engines: list[str], pairs: int) -> dict[str, An
     The blocked timings of ``rh_auto`` and the explicit engines run minutes
     apart in one process, so a drift of the host (clocks, other processes,
     BLAS threads winding down) lands on one side. Here every round times one
-    stream of each, back to back, the order rotating; the medians compare
+    stream of each, back to back, in each order of them in turn (every
+    engine follows every other equally often over a multiple of n! rounds:
+    a NumPy stream's BLAS threads still spin during the next one); the
+    medians compare
     ``engine="auto"`` with the faster explicit engine, and with the one it
     chose (what it costs itself per stream; its decision is cached by then:
     the blocked run calibrated).
@@ -254,8 +258,9 @@ def auto_paired(config, batches, engines: list[str], pairs: int) -> dict[str, An
     for name in names:  # warm: each the same as its timed streams
         stream(name)
     times: dict[str, list[float]] = {name: [] for name in names}
+    orders = list(itertools.permutations(names))
     for k in range(pairs):
-        for name in names[k % len(names) :] + names[: k % len(names)]:
+        for name in orders[k % len(orders)]:
             times[name].append(stream(name))
     medians = {name: statistics.median(t) for name, t in times.items()}
     best = min(engines, key=medians.__getitem__)
@@ -924,9 +929,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--auto-pairs",
         type=int,
-        default=10,
-        help="rounds of cold streams, auto and each explicit engine timed cold, in rotation "
-        "(0: none)",
+        default=12,
+        help="rounds of cold streams, auto and each explicit engine timed cold, each order "
+        "in turn (a multiple of 6 balances three engines; 0: none)",
     )
     parser.add_argument(
         "--quick",
