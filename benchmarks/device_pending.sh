@@ -162,7 +162,7 @@ formats)
     # Parquet and Zarr, whole 20M-row fits, lookahead max(8, 2 N): target ratio >= 1 at
     # every N (the dataset writes take about a minute). With lookahead 8 and 32-chunk
     # fits, N = 8 kept its loaders 63-89 % busy and reached 0.62 of N x floor
-    # (scale_out-h200-formats.json); the Parquet loader task took 293-328 ms per
+    # (scale_out-h200-formats-8m.json); the Parquet loader task took 293-328 ms per
     # 262,144-row chunk there, against a floor of 312.
     # Zarr needs its wheels carried too:
     #   ../shared/tools/device-wheels.sh zarr donfig google-crc32c msgspec numcodecs \

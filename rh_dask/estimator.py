@@ -86,11 +86,15 @@ class RenewableHuberRegressor(RegressorMixin, BaseEstimator):
         Device of the engine, e.g. ``"cuda:0"``.
     dtype : {"float64", "float32"}, default="float64"
         Precision of the whole computation.
-    lookahead : int, default=8
+    lookahead : int or "auto", default="auto"
         Dask streams only: how many chunks load ahead of the engine, in
         parallel, while it fits the current one. Look-ahead host memory is
-        bounded by this many chunks. See ``docs/distributed.md`` for how the
-        default was measured.
+        bounded by this many chunks. ``"auto"``: 8 where chunks load on the
+        engine's worker; where they load off it (``loader`` ``"relay"`` or
+        ``"cluster"``), twice the loading workers' task threads, at least 8
+        and at most ``rh-dask.distributed.lookahead-max`` (32). The number a
+        walk used is ``placement_["lookahead"]``. See ``docs/distributed.md``
+        for how it was measured.
     loader : {"auto", "actor", "engine-worker", "cluster", "relay"}, default="auto"
         Dask streams only: where chunks load. ``"actor"`` sends the chunk
         graphs to the worker holding the engine once, and that worker computes
@@ -232,7 +236,7 @@ class RenewableHuberRegressor(RegressorMixin, BaseEstimator):
         engine: str = "auto",
         device: str | int | None = None,
         dtype: str = "float64",
-        lookahead: int = 8,
+        lookahead: int | str = "auto",
         loader: str = "auto",
         worker: str | None = None,
         progress: bool | None = None,

@@ -287,6 +287,11 @@ class Settings:
         ``rh-dask.distributed.poll-interval``: seconds one progress poll of
         the engine's actor may wait on its worker before answering; also how
         often the client's progress bar moves and a lost worker is noticed.
+    lookahead_max : int
+        ``rh-dask.distributed.lookahead-max``: the most chunks
+        ``lookahead="auto"`` keeps ahead of the engine when chunks load off
+        its worker (``loader`` ``"relay"`` or ``"cluster"``: twice the
+        loading workers' task threads, at least 8, at most this).
     refill_every : int or "auto"
         ``rh-dask.distributed.refill-every``: with a task per chunk, the
         walk tops up the look-ahead each time this many more chunks have
@@ -420,6 +425,7 @@ class Settings:
     in_process_max_rows: int = 10_000_000
     zarr_direct: bool = True
     poll_interval: float = 0.25
+    lookahead_max: int = 32
     refill_every: int | str = "auto"
     pin_max_bytes: int = 48 << 20
     pin_mapped: bool = True
@@ -505,6 +511,7 @@ _KEYS: dict[str, tuple[str, Callable[[str, Any], Any]]] = {
         "rh-dask.distributed.poll-interval",
         lambda key, value: _seconds(key, value, positive=True),
     ),
+    "lookahead_max": ("rh-dask.distributed.lookahead-max", _count),
     "refill_every": ("rh-dask.distributed.refill-every", _threads_or_auto),
     "pin_max_bytes": ("rh-dask.distributed.pin-max-bytes", _bytes),
     "pin_mapped": ("rh-dask.distributed.pin-mapped", _flag),

@@ -605,7 +605,8 @@ def test_partial_fit_mixes_memory_and_dask_batches(client, snapshot, assert_unch
 
 
 @pytest.mark.parametrize(
-    ("param", "value"), [("lookahead", 0), ("loader", "nowhere"), ("worker", 3)]
+    ("param", "value"),
+    [("lookahead", 0), ("lookahead", "fast"), ("loader", "nowhere"), ("worker", 3)],
 )
 def test_bad_walk_parameters(client, param, value):
     X, y, _ = _data(n=500)

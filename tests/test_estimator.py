@@ -408,7 +408,8 @@ def test_bad_parameters_refuse_fit_before_the_model_changes(fitted, dask_input, 
 
 
 @pytest.mark.parametrize(
-    ("param", "value"), [("loader", "nowhere"), ("lookahead", 0), ("worker", 7)]
+    ("param", "value"),
+    [("loader", "nowhere"), ("lookahead", 0), ("lookahead", "fast"), ("worker", 7)],
 )
 def test_bad_walk_parameters_refuse_a_dask_fit_before_the_model_changes(fitted, param, value):
     from rh_dask import ValidationError

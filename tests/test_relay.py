@@ -40,8 +40,10 @@ from rh_dask import BadChunkError, RenewableHuberRegressor, StreamError, Validat
 from rh_dask.distributed import shelf
 from rh_dask.distributed.consumer import STREAM_BLAS_THREADS
 from rh_dask.distributed.placement import (
+    BASE_LOOKAHEAD,
     WorkerInfo,
     advertised_relays,
+    auto_lookahead,
     loading_workers,
     relay_candidates,
 )
@@ -193,6 +195,49 @@ def test_relay_and_loading_worker_rules():
     relays = [marked.address]
     assert loading_workers(workers, engine, relays) == [same, elsewhere, plain_far]
     assert loading_workers([engine, marked], engine, relays) == [marked]
+
+
+def test_auto_lookahead_rule():
+    # Off the engine's worker: twice the loading threads, at least 8, at most the cap.
+    assert auto_lookahead("relay", 2, 32) == BASE_LOOKAHEAD == 8
+    assert auto_lookahead("relay", 6, 32) == 12
+    assert auto_lookahead("cluster", 12, 32) == 24
+    assert auto_lookahead("cluster", 40, 32) == 32
+    # On the engine's worker, and in the client's process: the base look-ahead.
+    for mode in ("actor", "engine-worker", "local"):
+        assert auto_lookahead(mode, 64, 32) == BASE_LOOKAHEAD
+    # The cap holds below the base too.
+    assert auto_lookahead("relay", 16, 5) == 5 and auto_lookahead("actor", 0, 5) == 5
+
+
+@pytest.mark.timeout(120)
+def test_lookahead_auto_follows_the_loading_threads(ring_dir, snapshot, assert_unchanged):
+    # Two loading workers of three task threads each beside the engine (2) and two
+    # relays (1 each): relay 2 x 6 = 12 chunks, cluster (every worker loads) 2 x 10.
+    roles = _roles(Worker)
+    for name in ("load-0", "load-1"):
+        roles[name] = {"cls": Worker, "options": {"nthreads": 3}}
+    X, y, _ = _data(n=2_400, seed=23)
+    Xd, yd = da.from_array(X, chunks=(300, 5)), da.from_array(y, chunks=300)
+    ref = _loop(_row_blocks(X, y, None, [300] * 8))
+    with _cluster(roles) as spec, Client(spec, set_as_default=False) as c:
+        c.wait_for_workers(len(roles))
+        with c.as_current():
+            for loader, cap, expected in [
+                ("relay", None, 12),
+                ("cluster", None, 20),
+                ("actor", None, 8),
+                ("relay", 10, 10),
+            ]:
+                settings = {} if cap is None else {"rh-dask.distributed.lookahead-max": cap}
+                engine = _by_name(c)["engine"]
+                model = RenewableHuberRegressor(loader=loader, worker=engine, progress=False)
+                assert model.get_params()["lookahead"] == "auto"
+                with dask.config.set(settings):
+                    model.fit(Xd, yd)
+                assert model.placement_["lookahead"] == expected, (loader, cap)
+                _same(model, ref, assert_unchanged, snapshot)
+            assert _left(ring_dir, c) == []
 
 
 # -- equality with the plain loop ---------------------------------------------------------

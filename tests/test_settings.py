@@ -68,6 +68,7 @@ def test_values_are_read_from_dask_config_and_text_is_parsed():
             "rh-dask.cli.in-process-max-rows": "1_000",
             "rh-dask.numpy.blas-threads": "3",
             "rh-dask.distributed.refill-every": "2",
+            "rh-dask.distributed.lookahead-max": "12",
         }
     ):
         settings = Settings.from_config()
@@ -85,6 +86,7 @@ def test_values_are_read_from_dask_config_and_text_is_parsed():
         gpu_pinned_idle_bytes=64 * 2**20,
         numpy_blas_threads=3,
         refill_every=2,
+        lookahead_max=12,
     )
     assert settings.engine_options("gpu") == {
         "graphs": False,
@@ -124,6 +126,8 @@ def test_values_are_read_from_dask_config_and_text_is_parsed():
         ("in_process_max_rows", -1, "a whole number >= 0"),
         ("numpy_blas_threads", 0, '"auto" or a whole number >= 1'),
         ("numpy_blas_threads", "all", '"auto" or a whole number >= 1'),
+        ("lookahead_max", 0, "a whole number >= 1"),
+        ("lookahead_max", "many", "a whole number >= 1"),
         ("refill_every", 0, '"auto" or a whole number >= 1'),
         ("refill_every", "often", '"auto" or a whole number >= 1'),
         ("relay_file_sends", 0, '"auto" or a whole number >= 1'),

@@ -109,6 +109,10 @@ def _positive_int(text: str) -> int:
     return _integer(text, 1, "a positive integer")
 
 
+def _positive_int_or_auto(text: str) -> int | str:
+    return "auto" if text == "auto" else _integer(text, 1, 'a positive integer or "auto"')
+
+
 def _count(text: str) -> int:
     return _integer(text, 0, "a whole number >= 0")
 
@@ -221,9 +225,9 @@ def _add_model_options(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--ridge", type=float, default=default["ridge"])
     group.add_argument(
         "--lookahead",
-        type=_positive_int,
+        type=_positive_int_or_auto,
         default=default["lookahead"],
-        help=f"chunks loading ahead (default: {default['lookahead']})",
+        help=f"chunks loading ahead, or auto (default: {default['lookahead']})",
     )
     group.add_argument(
         "--loader",

@@ -79,6 +79,7 @@ from .loading import assemble_chunk
 from .placement import (
     WorkerInfo,
     advertised_relays,
+    auto_lookahead,
     choose_worker,
     cluster_workers,
     loading_workers,
@@ -305,8 +306,10 @@ class ClusterWalk:
         Device argument of the engine.
     state : HuberState or None
         Where the stream starts (``None``: empty state).
-    lookahead : int
-        Chunks kept loading ahead of the engine.
+    lookahead : int or "auto"
+        Chunks kept loading ahead of the engine; ``"auto"`` is decided once
+        the loader is (:func:`~.placement.auto_lookahead`) and kept for the
+        whole walk, recoveries included.
     loader : {"auto", "engine-worker", "cluster"}
     worker : str or None
         Explicit worker address for the actor (a recovery then waits for a
@@ -344,7 +347,7 @@ class ClusterWalk:
         device: Any,
         state: HuberState | None,
         *,
-        lookahead: int,
+        lookahead: int | str,
         loader: str,
         worker: str | None,
         blas_threads: int | None,
@@ -362,7 +365,11 @@ class ClusterWalk:
         self.engine = engine
         self.device = device
         self.initial_state = state
-        self.lookahead = lookahead
+        self.requested_lookahead = lookahead
+        # The look-ahead in force: "auto" is decided in run(), once the loader is.
+        self.lookahead = auto_lookahead("", 0, self.settings.lookahead_max)
+        if lookahead != "auto":
+            self.lookahead = int(lookahead)
         self.loader = loader
         self.worker = worker
         self.blas_threads = blas_threads
@@ -484,6 +491,16 @@ class ClusterWalk:
             graph = self._make_graph(self._mode, self._stream_id, start)
         self._last_answer = time.monotonic()
         return graph
+
+    def _auto_lookahead(self, host: WorkerInfo, workers: list[WorkerInfo]) -> int:
+        """``lookahead="auto"`` for this walk's loader, from the workers that will load."""
+        if self._mode == "relay":
+            relays = relay_candidates(workers, host, self.settings.relay_resource)
+            loading = loading_workers(workers, host, [w.address for w in relays])
+        else:  # "cluster" loads anywhere; the others on the engine's worker
+            loading = workers
+        threads = sum(w.nthreads for w in loading)
+        return auto_lookahead(self._mode, threads, self.settings.lookahead_max)
 
     # -- relays --------------------------------------------------------------------------
     def _slot_bytes(self) -> int:
@@ -719,6 +736,8 @@ class ClusterWalk:
         self._mode = resolve_loader(
             self.loader, host, workers, contained, self.settings.relay_resource
         )
+        if self.requested_lookahead == "auto":
+            self.lookahead = self._auto_lookahead(host, workers)
         self.outcome.placement = {
             "worker": host.address,
             "loader": self._mode,

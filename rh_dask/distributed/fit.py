@@ -54,6 +54,7 @@ from .interrupts import interrupts_deferred
 from .items import BadChunk, ChunkItem, EmptyChunk, chunk_error
 from .loading import assemble_chunk
 from .local import run_local
+from .placement import auto_lookahead
 from .progress import StreamProgress, progress_enabled
 
 
@@ -63,8 +64,10 @@ class WalkOptions:
 
     Attributes
     ----------
-    lookahead : int
-        Chunks loading ahead of the engine.
+    lookahead : int or "auto"
+        Chunks loading ahead of the engine (``"auto"``:
+        :func:`~.placement.auto_lookahead`, decided where the walk knows its
+        loader).
     loader : str
         One of :data:`~.coordinator.LOADERS`.
     worker : str or None
@@ -81,7 +84,7 @@ class WalkOptions:
         ``rh-dask.recovery.max-retries`` setting).
     """
 
-    lookahead: int
+    lookahead: int | str
     loader: str
     worker: str | None
     progress: bool
@@ -92,7 +95,7 @@ class WalkOptions:
     @classmethod
     def from_params(
         cls,
-        lookahead: Any = 8,
+        lookahead: Any = "auto",
         loader: Any = "auto",
         worker: Any = None,
         progress: Any = None,
@@ -104,12 +107,14 @@ class WalkOptions:
 
         ``progress=None`` shows the bar when stderr is a terminal.
         """
-        if (
+        if lookahead != "auto" and (
             isinstance(lookahead, (bool, np.bool_))
             or not isinstance(lookahead, (int, np.integer))
             or lookahead < 1
         ):
-            raise ValidationError(f"lookahead must be an integer >= 1, got {lookahead!r}")
+            raise ValidationError(
+                f'lookahead must be an integer >= 1 or "auto", got {lookahead!r}'
+            )
         if loader not in LOADERS:
             raise ValidationError(f"loader must be one of {LOADERS}, got {loader!r}")
         if worker is not None and not isinstance(worker, str):
@@ -130,7 +135,7 @@ class WalkOptions:
                 )
             checkpoint_dir = os.fspath(checkpoint_dir)
         return cls(
-            int(lookahead),
+            lookahead if lookahead == "auto" else int(lookahead),
             loader,
             worker,
             progress_enabled(progress),
@@ -138,6 +143,13 @@ class WalkOptions:
             checkpoint_dir,
             None if max_retries is None else int(max_retries),
         )
+
+
+def local_lookahead(lookahead: int | str) -> int:
+    """The look-ahead of a walk in this process (no cluster): ``"auto"`` is the base one."""
+    if lookahead != "auto":
+        return int(lookahead)
+    return auto_lookahead("local", 0, Settings.read("lookahead_max"))
 
 
 def _whole(value: Any, least: int) -> bool:
@@ -546,7 +558,7 @@ def _fit_local(
         bar.update(1, item.rows)
 
     try:
-        run_local(graph, options.lookahead, consume)
+        run_local(graph, local_lookahead(options.lookahead), consume)
     except BaseException:
         checkpoint()
         if counts["batches"] and counts["empty"]:

@@ -149,3 +149,23 @@ def loading_workers(
     taken = {host.address, *relays}
     others = [w for w in workers if w.address not in taken]
     return others or [w for w in workers if w.address in relays]
+
+
+#: ``lookahead="auto"`` where chunks load on the engine's worker, and the least elsewhere:
+#: with a task per chunk on that worker, 16 and 32 were no faster than 8 (docs/distributed.md).
+BASE_LOOKAHEAD = 8
+
+
+def auto_lookahead(mode: str, loading_threads: int, most: int) -> int:
+    """``lookahead="auto"``: the chunks a walk keeps ahead of the engine.
+
+    Where chunks load off the engine's worker (``mode`` ``"relay"`` or
+    ``"cluster"``), twice the loading workers' task threads, so that each
+    has a chunk queued behind the one it loads (measured in
+    docs/performance.md, "Scale-out"); at least :data:`BASE_LOOKAHEAD`, at
+    most ``most`` (``rh-dask.distributed.lookahead-max``). Elsewhere
+    :data:`BASE_LOOKAHEAD`, capped the same way.
+    """
+    if mode in ("relay", "cluster"):
+        return min(max(BASE_LOOKAHEAD, 2 * int(loading_threads)), int(most))
+    return min(BASE_LOOKAHEAD, int(most))
