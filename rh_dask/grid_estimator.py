@@ -96,9 +96,12 @@ class RenewableHuberGridRegressor(RegressorMixin, BaseEstimator):
         GPU engine, a host batch is copied to the device once for all).
     device : str or int, default=None
         Device of the engines.
-    lookahead : int, default=8
+    lookahead : int or "auto", default="auto"
         Dask streams only: chunks loading ahead of the one being consumed (in
-        this process, or on the cluster).
+        this process, or on the cluster). ``"auto"``: 8 in this process; on
+        the cluster, where chunks load on any worker, twice the workers' task
+        threads, at least 8 and at most ``rh-dask.distributed.lookahead-max``
+        (32); the number used is in :attr:`placement_`.
     walk : {"auto", "local", "cluster"}, default="auto"
         Dask streams only: where the grid runs. ``"cluster"``: one actor per
         worker advertising the resource ``GPU`` (one actor on one worker
@@ -142,9 +145,9 @@ class RenewableHuberGridRegressor(RegressorMixin, BaseEstimator):
     placement_ : list of dict
         After a walk on the cluster: one entry per actor, in configuration
         order: ``worker`` (its address), ``configs`` (the rows of
-        ``configs_`` it held) and ``busy_fraction`` (the share of the walk's
-        wall time its engines spent fitting); empty after a walk in this
-        process.
+        ``configs_`` it held), ``busy_fraction`` (the share of the walk's
+        wall time its engines spent fitting) and ``lookahead`` (the walk's);
+        empty after a walk in this process.
 
     Notes
     -----
@@ -171,7 +174,7 @@ class RenewableHuberGridRegressor(RegressorMixin, BaseEstimator):
         engine: str = "auto",
         device: str | int | None = None,
         dtype: str = "float64",
-        lookahead: int = 8,
+        lookahead: int | str = "auto",
         walk: str = "auto",
     ) -> None:
         self.taus = taus
@@ -233,12 +236,14 @@ class RenewableHuberGridRegressor(RegressorMixin, BaseEstimator):
         configs = self._make_configs()
         if self.criterion not in CRITERIA:
             raise ValidationError(f"criterion must be one of {CRITERIA}, got {self.criterion!r}")
-        if (
+        if self.lookahead != "auto" and (
             isinstance(self.lookahead, (bool, np.bool_))
             or not isinstance(self.lookahead, (int, np.integer))
             or self.lookahead < 1
         ):
-            raise ValidationError(f"lookahead must be an integer >= 1, got {self.lookahead!r}")
+            raise ValidationError(
+                f'lookahead must be an integer >= 1 or "auto", got {self.lookahead!r}'
+            )
         if self.walk not in WALKS:
             raise ValidationError(f"walk must be one of {WALKS}, got {self.walk!r}")
         return (
@@ -346,7 +351,7 @@ class RenewableHuberGridRegressor(RegressorMixin, BaseEstimator):
         from contextlib import closing
 
         from .distributed.chunks import ChunkGraph, align_stream
-        from .distributed.fit import column_vector_target
+        from .distributed.fit import column_vector_target, local_lookahead
         from .distributed.items import BadChunk, EmptyChunk, chunk_error
         from .distributed.loading import assemble_chunk
         from .distributed.local import iter_local
@@ -391,7 +396,7 @@ class RenewableHuberGridRegressor(RegressorMixin, BaseEstimator):
             consumed += 1
 
         try:
-            with closing(iter_local(graph, int(self.lookahead))) as items:
+            with closing(iter_local(graph, local_lookahead(self.lookahead))) as items:
                 # One chunk held back, so that a GPU grid copies the next chunk
                 # while it solves this one.
                 held = None
@@ -437,7 +442,7 @@ class RenewableHuberGridRegressor(RegressorMixin, BaseEstimator):
             self.device,
             grid.reference_tau,
             None if fresh else grid.export_states(),
-            int(self.lookahead),
+            self.lookahead,
             Settings.from_config(),
         )
         if done.records:
@@ -452,6 +457,7 @@ class RenewableHuberGridRegressor(RegressorMixin, BaseEstimator):
                     "worker": s.worker,
                     "configs": list(s.configs),
                     "busy_fraction": busy / done.wall if done.wall > 0 else 0.0,
+                    "lookahead": done.lookahead,
                 }
                 for s, busy in zip(done.shares, done.busy, strict=True)
             ]

@@ -9,6 +9,7 @@ from __future__ import annotations
 import threading
 
 import dask.array as da
+import dask.config
 import numpy as np
 import pytest
 from distributed import Client, LocalCluster
@@ -91,7 +92,26 @@ def test_cluster_grid_is_bit_identical_to_the_local_grid(stream, n_workers):
         (w, list(s)) for w, s in zip(workers, shares, strict=True)
     ]
     assert all(0.0 < p["busy_fraction"] <= 1.0 for p in placement)
+    assert all(p["lookahead"] == 8 for p in placement)  # "auto": at least 8
     assert local.placement_ == []
+
+
+def test_lookahead_auto_on_the_cluster_is_twice_its_task_threads(stream):
+    # Chunks load on any worker: 3 workers x 3 threads -> 18 chunks; the cap holds.
+    Xd, yd, wd = _dask(*stream)
+    local = RenewableHuberGridRegressor(taus=TAUS[:3], engine="numpy", walk="local")
+    local.fit(Xd, yd, wd)
+    cluster = LocalCluster(
+        n_workers=3, processes=False, threads_per_worker=3, dashboard_address=None
+    )
+    with cluster, Client(cluster):
+        for cap, expected in [(None, 18), (10, 10)]:
+            settings = {} if cap is None else {"rh-dask.distributed.lookahead-max": cap}
+            model = RenewableHuberGridRegressor(taus=TAUS[:3], engine="numpy")
+            with dask.config.set(settings):
+                model.fit(Xd, yd, wd)
+            assert [p["lookahead"] for p in model.placement_] == [expected]
+            assert model.coefs_.tobytes() == local.coefs_.tobytes()
 
 
 def test_partial_fit_on_the_cluster_continues_the_stream(stream):
@@ -176,6 +196,9 @@ def test_walk_parameter_is_checked(stream):
     Xd, yd, _ = _dask(*stream)
     with pytest.raises(ValidationError, match="walk must be one of"):
         RenewableHuberGridRegressor(walk="gpu").fit(Xd, yd)
+    for bad in (0, "fast", 2.5):
+        with pytest.raises(ValidationError, match='lookahead must be an integer >= 1 or "auto"'):
+            RenewableHuberGridRegressor(lookahead=bad).fit(Xd, yd)
     with pytest.raises(ValidationError, match=r"needs a current distributed\.Client"):
         RenewableHuberGridRegressor(engine="numpy", walk="cluster").fit(Xd, yd)
 

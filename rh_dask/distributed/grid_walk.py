@@ -55,7 +55,13 @@ from ..settings import Settings
 from ..state import HuberState
 from .chunks import ChunkGraph
 from .items import BadChunk, EmptyChunk, chunk_error
-from .placement import WorkerInfo, choose_worker, cluster_workers, scheduler_workers
+from .placement import (
+    WorkerInfo,
+    auto_lookahead,
+    choose_worker,
+    cluster_workers,
+    scheduler_workers,
+)
 
 #: Seconds between checks that an actor's worker is alive while awaiting its answer.
 _CHECK_SECONDS = 1.0
@@ -275,6 +281,8 @@ class GridWalk:
         Seconds each actor spent fitting.
     wall : float
         Seconds of the walk.
+    lookahead : int
+        The chunks the walk kept in flight (``"auto"`` decided).
     error : StreamError or None
         What stopped the walk at a bad chunk (the states are those before it).
     """
@@ -285,6 +293,7 @@ class GridWalk:
     shares: list[Share]
     busy: list[float]
     wall: float
+    lookahead: int = 0
     error: Exception | None = None
 
 
@@ -346,10 +355,13 @@ def walk_grid(
     device: Any,
     reference_tau: float,
     states: Sequence[HuberState] | None,
-    lookahead: int,
+    lookahead: int | str,
     settings: Settings | None = None,
 ) -> GridWalk:
     """Walk ``graph``'s chunks through one :class:`GridActor` per share of ``configs``.
+
+    ``lookahead="auto"``: chunks load anywhere on the cluster, so twice its
+    task threads (:func:`~.placement.auto_lookahead`, mode ``"cluster"``).
 
     Raises
     ------
@@ -359,7 +371,11 @@ def walk_grid(
         When an actor's worker goes away.
     """
     settings = Settings() if settings is None else settings
-    shares = plan_shares(cluster_workers(client), engine, len(configs))
+    workers = cluster_workers(client)
+    shares = plan_shares(workers, engine, len(configs))
+    if lookahead == "auto":
+        threads = sum(w.nthreads for w in workers)
+        lookahead = auto_lookahead("cluster", threads, settings.lookahead_max)
     began = time.perf_counter()
     actor_futures = [
         client.submit(
@@ -391,7 +407,7 @@ def walk_grid(
                         f"the grid actor could not start on {s.worker}: {exc}"
                     ) from exc
                 raise _lost(client, s, graph.start, exc) from None
-        return _drive(client, graph, shares, actors, lookahead, began)
+        return _drive(client, graph, shares, actors, int(lookahead), began)
     finally:
         for fut in actor_futures:
             fut.release()
@@ -520,6 +536,7 @@ def _drive(
         shares=shares,
         busy=[p[2] for p in parts],
         wall=time.perf_counter() - began,
+        lookahead=lookahead,
         error=error,
     )
 
