@@ -236,7 +236,8 @@ class RenewableHuberGridRegressor(RegressorMixin, BaseEstimator):
         configs = self._make_configs()
         if self.criterion not in CRITERIA:
             raise ValidationError(f"criterion must be one of {CRITERIA}, got {self.criterion!r}")
-        if self.lookahead != "auto" and (
+        auto = isinstance(self.lookahead, str) and self.lookahead == "auto"
+        if not auto and (
             isinstance(self.lookahead, (bool, np.bool_))
             or not isinstance(self.lookahead, (int, np.integer))
             or self.lookahead < 1

@@ -82,6 +82,7 @@ from .placement import (
     auto_lookahead,
     choose_worker,
     cluster_workers,
+    is_auto,
     loading_workers,
     relay_candidates,
     scheduler_workers,
@@ -366,10 +367,8 @@ class ClusterWalk:
         self.device = device
         self.initial_state = state
         self.requested_lookahead = lookahead
-        # The look-ahead in force: "auto" is decided in run(), once the loader is.
-        self.lookahead = auto_lookahead("", 0, self.settings.lookahead_max)
-        if lookahead != "auto":
-            self.lookahead = int(lookahead)
+        # The look-ahead in force; "auto" is decided in run(), once the loader is.
+        self.lookahead = 0 if is_auto(lookahead) else int(lookahead)
         self.loader = loader
         self.worker = worker
         self.blas_threads = blas_threads
@@ -736,7 +735,7 @@ class ClusterWalk:
         self._mode = resolve_loader(
             self.loader, host, workers, contained, self.settings.relay_resource
         )
-        if self.requested_lookahead == "auto":
+        if is_auto(self.requested_lookahead):
             self.lookahead = self._auto_lookahead(host, workers)
         self.outcome.placement = {
             "worker": host.address,

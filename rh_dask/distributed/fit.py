@@ -54,7 +54,7 @@ from .interrupts import interrupts_deferred
 from .items import BadChunk, ChunkItem, EmptyChunk, chunk_error
 from .loading import assemble_chunk
 from .local import run_local
-from .placement import auto_lookahead
+from .placement import auto_lookahead, is_auto
 from .progress import StreamProgress, progress_enabled
 
 
@@ -107,7 +107,7 @@ class WalkOptions:
 
         ``progress=None`` shows the bar when stderr is a terminal.
         """
-        if lookahead != "auto" and (
+        if not is_auto(lookahead) and (
             isinstance(lookahead, (bool, np.bool_))
             or not isinstance(lookahead, (int, np.integer))
             or lookahead < 1
@@ -135,7 +135,7 @@ class WalkOptions:
                 )
             checkpoint_dir = os.fspath(checkpoint_dir)
         return cls(
-            lookahead if lookahead == "auto" else int(lookahead),
+            "auto" if is_auto(lookahead) else int(lookahead),
             loader,
             worker,
             progress_enabled(progress),
@@ -147,7 +147,7 @@ class WalkOptions:
 
 def local_lookahead(lookahead: int | str) -> int:
     """The look-ahead of a walk in this process (no cluster): ``"auto"`` is the base one."""
-    if lookahead != "auto":
+    if not is_auto(lookahead):
         return int(lookahead)
     return auto_lookahead("local", 0, Settings.read("lookahead_max"))
 

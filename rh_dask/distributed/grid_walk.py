@@ -60,6 +60,7 @@ from .placement import (
     auto_lookahead,
     choose_worker,
     cluster_workers,
+    is_auto,
     scheduler_workers,
 )
 
@@ -373,7 +374,7 @@ def walk_grid(
     settings = Settings() if settings is None else settings
     workers = cluster_workers(client)
     shares = plan_shares(workers, engine, len(configs))
-    if lookahead == "auto":
+    if is_auto(lookahead):
         threads = sum(w.nthreads for w in workers)
         lookahead = auto_lookahead("cluster", threads, settings.lookahead_max)
     began = time.perf_counter()

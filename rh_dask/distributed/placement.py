@@ -156,6 +156,11 @@ def loading_workers(
 BASE_LOOKAHEAD = 8
 
 
+def is_auto(value: Any) -> bool:
+    """Whether a ``lookahead`` parameter is the text ``"auto"`` (not a number or an array)."""
+    return isinstance(value, str) and value == "auto"
+
+
 def auto_lookahead(mode: str, loading_threads: int, most: int) -> int:
     """``lookahead="auto"``: the chunks a walk keeps ahead of the engine.
 
