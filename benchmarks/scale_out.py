@@ -997,11 +997,14 @@ class References:
         return self._cache[key]
 
 
-def lookahead_for(args: argparse.Namespace, n_loaders: int) -> int:
-    """``--lookahead``: a number, or ``auto``, max(8, 2 N) for N loading workers."""
-    if args.lookahead == "auto":
-        return max(8, 2 * n_loaders)
-    return int(args.lookahead)
+def lookahead_for(args: argparse.Namespace) -> int | str:
+    """``--lookahead``: a number, or ``auto``, the library's ``lookahead="auto"``.
+
+    With ``relay``, ``auto`` is twice the loading workers' task threads (at
+    least 8): max(8, 2 N) for N one-thread loaders. The number a fit used is
+    its ``placement_["lookahead"]``.
+    """
+    return "auto" if args.lookahead == "auto" else int(args.lookahead)
 
 
 def run_fit(
@@ -1011,7 +1014,6 @@ def run_fit(
     loader: str,
     worker: str,
     memory: RoleMemory,
-    n_loaders: int = 1,
 ) -> dict[str, Any]:
     """One timed fit (after a warm-up fit of two chunks) with ``loader``."""
     from rh_dask import RenewableHuberRegressor
@@ -1021,7 +1023,7 @@ def run_fit(
         engine=args.engine,
         dtype=args.dtype,
         loader="relay" if relay_config else loader,
-        lookahead=lookahead_for(args, n_loaders),
+        lookahead=lookahead_for(args),
         worker=worker,
         progress=False,
     )
@@ -1051,7 +1053,7 @@ def run_fit(
             stream.data,
             history["seconds"].to_numpy(),
             history["wait_seconds"].to_numpy(),
-            params["lookahead"],
+            model.placement_["lookahead"],
             clock0,
         ),
         "_coef": model.state_.coefficients,
@@ -1218,7 +1220,6 @@ def fits_for(
     memory: RoleMemory,
     refs: References,
 ) -> None:
-    n = entry["n_loaders"]
     for source in args.sources:
         inputs = fit_inputs(source, dirs, args.chunk_rows, args.fit_rows)
         small = fit_inputs(source, dirs, args.chunk_rows, min(2 * args.chunk_rows, args.fit_rows))
@@ -1227,10 +1228,10 @@ def fits_for(
             # The first whole fit on a fresh cluster ran 2-3 s slower than the next
             # ones whichever loader it used (every H200 run of this benchmark):
             # it is not timed.
-            run_fit(args, inputs[:2], small[:2], loaders[0], engine_addr, memory, n)
+            run_fit(args, inputs[:2], small[:2], loaders[0], engine_addr, memory)
         for loader in loaders:
             record = methods["loaders"]
-            run = partial(run_fit, args, inputs[:2], small[:2], loader, engine_addr, memory, n)
+            run = partial(run_fit, args, inputs[:2], small[:2], loader, engine_addr, memory)
             guarded(record, loader, run)
             result = record[loader]
             line = chunk_timeline_line(result.get("chunk_timeline") or {})
@@ -1428,7 +1429,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--allow-overlap", action="store_true", help="share CPUs when too few")
     p.add_argument("--compare", default=",".join(FIT_LOADERS), help="loaders to fit with")
     p.add_argument(
-        "--lookahead", default="8", help="chunks ahead of the engine, or auto: max(8, 2 N)"
+        "--lookahead",
+        default="8",
+        help="chunks ahead of the engine, or auto: the library's (max(8, 2 N) with relay)",
     )
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument(
