@@ -226,18 +226,17 @@ def rh_auto_cold(config, batches, runner):
 
 
 def auto_paired(config, batches, engines: list[str], pairs: int) -> dict[str, Any]:
-    """``engine="auto"`` and the explicit ``engines``, fresh estimators, timed in rotation.
+    """``engine="auto"`` and the explicit ``engines``, fresh estimators, timed together.
 
     The blocked timings of ``rh_auto`` and the explicit engines run minutes
     apart in one process, so a drift of the host (clocks, other processes,
     BLAS threads winding down) lands on one side. Here every round times one
-    stream of each, back to back, in each order of them in turn (every
-    engine follows every other equally often over a multiple of n! rounds:
-    a NumPy stream's BLAS threads still spin during the next one); the
-    medians compare
-    ``engine="auto"`` with the faster explicit engine, and with the one it
-    chose (what it costs itself per stream; its decision is cached by then:
-    the blocked run calibrated).
+    stream of each, back to back, each order of them in turn (over a
+    multiple of n! rounds every engine follows every other equally often: a
+    NumPy stream's BLAS threads still spin during the next one). The medians
+    compare ``engine="auto"`` with the faster explicit engine, and with the
+    one it chose (what it costs itself per stream; its decision is cached
+    by then: the blocked run calibrated).
     """
     params = config.to_dict()
     chosen: set[str] = set()
