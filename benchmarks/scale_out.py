@@ -377,11 +377,10 @@ def floor_main(args: argparse.Namespace) -> int:
     return 0
 
 
-def load_floor(
-    source: str, dirs: dict[str, Path], cores: list[int], args: argparse.Namespace
-) -> dict[str, Any]:
-    """The floor subprocess, confined to ``cores``."""
-    rows = min(args.floor_rows, args.fit_rows)
+def _floor_command(
+    source: str, dirs: dict[str, Path], cores: list[int], rows: int, *options: str
+) -> list[str]:
+    """The floor subprocess's command line, confined to ``cores`` (``options`` appended)."""
     cmd = [
         sys.executable,
         str(Path(__file__).resolve()),
@@ -389,17 +388,26 @@ def load_floor(
         source,
         "--floor-dirs",
         json.dumps({k: str(v) for k, v in dirs.items()}),
-        "--chunk-rows",
-        str(args.chunk_rows),
         "--floor-rows",
         str(rows),
         "--floor-threads",
         str(len(set(cores))),
-        "--repeats",
-        str(args.repeats),
+        *options,
     ]
+    return confined(cmd, cores)
+
+
+def load_floor(
+    source: str, dirs: dict[str, Path], cores: list[int], args: argparse.Namespace
+) -> dict[str, Any]:
+    """The floor subprocess, confined to ``cores``."""
+    rows = min(args.floor_rows, args.fit_rows)
+    options = ("--chunk-rows", str(args.chunk_rows), "--repeats", str(args.repeats))
     proc = subprocess.run(
-        confined(cmd, cores), capture_output=True, text=True, env=process_env(len(set(cores)))
+        _floor_command(source, dirs, cores, rows, *options),
+        capture_output=True,
+        text=True,
+        env=process_env(len(set(cores))),
     )
     if proc.returncode != 0:
         raise RuntimeError(f"load floor of {source} failed: {proc.stderr[-2000:]}")
@@ -424,30 +432,20 @@ def load_floors_together(
     with tempfile.TemporaryDirectory(prefix="rh-floor-") as barrier:
         procs = []
         for k, own in enumerate(cores):
-            cmd = [
-                sys.executable,
-                str(Path(__file__).resolve()),
-                "--floor",
-                source,
-                "--floor-dirs",
-                json.dumps({name: str(v) for name, v in dirs.items()}),
+            options = (
                 "--chunk-rows",
                 str(args.chunk_rows),
-                "--floor-rows",
-                str(rows),
-                "--floor-threads",
-                str(len(set(own))),
                 "--floor-skip",
                 str(k * n_chunks // len(cores)),
                 "--floor-barrier",
                 barrier,
                 "--repeats",
                 "1",
-            ]
+            )
             env = process_env(len(set(own)))
             procs.append(
                 subprocess.Popen(
-                    confined(cmd, own),
+                    _floor_command(source, dirs, own, rows, *options),
                     stdout=subprocess.PIPE,
                     stderr=subprocess.PIPE,
                     text=True,
