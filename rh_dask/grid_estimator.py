@@ -35,7 +35,12 @@ from .config import HuberConfig
 from .engines import resolve_engine_name
 from .engines.grid import DEFAULT_REFERENCE_TAU, GridEngine, GridRecord, check_reference_tau
 from .exceptions import NotFittedError, ValidationError
-from .validation import check_feature_names, check_n_features, validate_batch
+from .validation import (
+    check_feature_names,
+    check_lookahead,
+    check_n_features,
+    validate_batch,
+)
 
 __all__ = ["CRITERIA", "RenewableHuberGridRegressor"]
 
@@ -236,15 +241,7 @@ class RenewableHuberGridRegressor(RegressorMixin, BaseEstimator):
         configs = self._make_configs()
         if self.criterion not in CRITERIA:
             raise ValidationError(f"criterion must be one of {CRITERIA}, got {self.criterion!r}")
-        auto = isinstance(self.lookahead, str) and self.lookahead == "auto"
-        if not auto and (
-            isinstance(self.lookahead, (bool, np.bool_))
-            or not isinstance(self.lookahead, (int, np.integer))
-            or self.lookahead < 1
-        ):
-            raise ValidationError(
-                f'lookahead must be an integer >= 1 or "auto", got {self.lookahead!r}'
-            )
+        check_lookahead(self.lookahead)
         if self.walk not in WALKS:
             raise ValidationError(f"walk must be one of {WALKS}, got {self.walk!r}")
         return (

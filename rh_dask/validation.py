@@ -57,6 +57,25 @@ def is_device_array(obj: Any) -> bool:
         return False
 
 
+def check_lookahead(value: Any) -> int | str:
+    """An estimator's ``lookahead``: the text ``"auto"`` or an integer >= 1.
+
+    Raises
+    ------
+    ValidationError
+        For anything else (a bool, a float, an array, other text).
+    """
+    if isinstance(value, str) and value == "auto":
+        return "auto"
+    if (
+        isinstance(value, (bool, np.bool_))
+        or not isinstance(value, (int, np.integer))
+        or value < 1
+    ):
+        raise ValidationError(f'lookahead must be an integer >= 1 or "auto", got {value!r}')
+    return int(value)
+
+
 def feature_names_of(X: Any) -> np.ndarray | None:
     """Column names of a dataframe-like X when they are all strings, else None."""
     columns = getattr(X, "columns", None)

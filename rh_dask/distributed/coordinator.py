@@ -79,12 +79,11 @@ from .loading import assemble_chunk
 from .placement import (
     WorkerInfo,
     advertised_relays,
-    auto_lookahead,
     choose_worker,
     cluster_workers,
-    is_auto,
     loading_workers,
     relay_candidates,
+    resolve_lookahead,
     scheduler_workers,
 )
 from .progress import StreamProgress
@@ -367,8 +366,7 @@ class ClusterWalk:
         self.device = device
         self.initial_state = state
         self.requested_lookahead = lookahead
-        # The look-ahead in force; "auto" is decided in run(), once the loader is.
-        self.lookahead = 0 if is_auto(lookahead) else int(lookahead)
+        self.lookahead = 0  # the look-ahead in force, decided in run() once the loader is
         self.loader = loader
         self.worker = worker
         self.blas_threads = blas_threads
@@ -491,15 +489,12 @@ class ClusterWalk:
         self._last_answer = time.monotonic()
         return graph
 
-    def _auto_lookahead(self, host: WorkerInfo, workers: list[WorkerInfo]) -> int:
-        """``lookahead="auto"`` for this walk's loader, from the workers that will load."""
+    def _loading(self, host: WorkerInfo, workers: list[WorkerInfo]) -> list[WorkerInfo]:
+        """The workers that load this walk's chunks (``"relay"``: off the engine's node)."""
         if self._mode == "relay":
             relays = relay_candidates(workers, host, self.settings.relay_resource)
-            loading = loading_workers(workers, host, [w.address for w in relays])
-        else:  # "cluster" loads anywhere; the others on the engine's worker
-            loading = workers
-        threads = sum(w.nthreads for w in loading)
-        return auto_lookahead(self._mode, threads, self.settings.lookahead_max)
+            return loading_workers(workers, host, [w.address for w in relays])
+        return workers  # "cluster" loads anywhere; the others on the engine's worker
 
     # -- relays --------------------------------------------------------------------------
     def _slot_bytes(self) -> int:
@@ -735,8 +730,12 @@ class ClusterWalk:
         self._mode = resolve_loader(
             self.loader, host, workers, contained, self.settings.relay_resource
         )
-        if is_auto(self.requested_lookahead):
-            self.lookahead = self._auto_lookahead(host, workers)
+        self.lookahead = resolve_lookahead(
+            self.requested_lookahead,
+            self._mode,
+            self._loading(host, workers),
+            self.settings.lookahead_max,
+        )
         self.outcome.placement = {
             "worker": host.address,
             "loader": self._mode,

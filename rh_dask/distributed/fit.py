@@ -43,6 +43,7 @@ from ..state import HuberState
 from ..stream import BatchRecord, Recovery, Stream, warn_fallback
 from ..validation import (
     check_feature_names,
+    check_lookahead,
     check_n_features,
     ravel_column_vector,
     warn_column_vector,
@@ -54,7 +55,7 @@ from .interrupts import interrupts_deferred
 from .items import BadChunk, ChunkItem, EmptyChunk, chunk_error
 from .loading import assemble_chunk
 from .local import run_local
-from .placement import auto_lookahead, is_auto
+from .placement import resolve_lookahead
 from .progress import StreamProgress, progress_enabled
 
 
@@ -107,14 +108,7 @@ class WalkOptions:
 
         ``progress=None`` shows the bar when stderr is a terminal.
         """
-        if not is_auto(lookahead) and (
-            isinstance(lookahead, (bool, np.bool_))
-            or not isinstance(lookahead, (int, np.integer))
-            or lookahead < 1
-        ):
-            raise ValidationError(
-                f'lookahead must be an integer >= 1 or "auto", got {lookahead!r}'
-            )
+        lookahead = check_lookahead(lookahead)
         if loader not in LOADERS:
             raise ValidationError(f"loader must be one of {LOADERS}, got {loader!r}")
         if worker is not None and not isinstance(worker, str):
@@ -135,7 +129,7 @@ class WalkOptions:
                 )
             checkpoint_dir = os.fspath(checkpoint_dir)
         return cls(
-            "auto" if is_auto(lookahead) else int(lookahead),
+            lookahead,
             loader,
             worker,
             progress_enabled(progress),
@@ -147,9 +141,7 @@ class WalkOptions:
 
 def local_lookahead(lookahead: int | str) -> int:
     """The look-ahead of a walk in this process (no cluster): ``"auto"`` is the base one."""
-    if not is_auto(lookahead):
-        return int(lookahead)
-    return auto_lookahead("local", 0, Settings.read("lookahead_max"))
+    return resolve_lookahead(lookahead, "local", [], Settings.read("lookahead_max"))
 
 
 def _whole(value: Any, least: int) -> bool:

@@ -57,10 +57,9 @@ from .chunks import ChunkGraph
 from .items import BadChunk, EmptyChunk, chunk_error
 from .placement import (
     WorkerInfo,
-    auto_lookahead,
     choose_worker,
     cluster_workers,
-    is_auto,
+    resolve_lookahead,
     scheduler_workers,
 )
 
@@ -374,9 +373,7 @@ def walk_grid(
     settings = Settings() if settings is None else settings
     workers = cluster_workers(client)
     shares = plan_shares(workers, engine, len(configs))
-    if is_auto(lookahead):
-        threads = sum(w.nthreads for w in workers)
-        lookahead = auto_lookahead("cluster", threads, settings.lookahead_max)
+    lookahead = resolve_lookahead(lookahead, "cluster", workers, settings.lookahead_max)
     began = time.perf_counter()
     actor_futures = [
         client.submit(
@@ -408,7 +405,7 @@ def walk_grid(
                         f"the grid actor could not start on {s.worker}: {exc}"
                     ) from exc
                 raise _lost(client, s, graph.start, exc) from None
-        return _drive(client, graph, shares, actors, int(lookahead), began)
+        return _drive(client, graph, shares, actors, lookahead, began)
     finally:
         for fut in actor_futures:
             fut.release()

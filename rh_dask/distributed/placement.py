@@ -156,11 +156,6 @@ def loading_workers(
 BASE_LOOKAHEAD = 8
 
 
-def is_auto(value: Any) -> bool:
-    """Whether a ``lookahead`` parameter is the text ``"auto"`` (not a number or an array)."""
-    return isinstance(value, str) and value == "auto"
-
-
 def auto_lookahead(mode: str, loading_threads: int, most: int) -> int:
     """``lookahead="auto"``: the chunks a walk keeps ahead of the engine.
 
@@ -174,3 +169,16 @@ def auto_lookahead(mode: str, loading_threads: int, most: int) -> int:
     if mode in ("relay", "cluster"):
         return min(max(BASE_LOOKAHEAD, 2 * int(loading_threads)), int(most))
     return min(BASE_LOOKAHEAD, int(most))
+
+
+def resolve_lookahead(
+    lookahead: int | str, mode: str, loading: list[WorkerInfo], most: int
+) -> int:
+    """The look-ahead a walk runs with: ``lookahead`` itself, or ``"auto"`` decided.
+
+    ``loading`` are the workers that load its chunks (none in the client's
+    process); see :func:`auto_lookahead`.
+    """
+    if isinstance(lookahead, str) and lookahead == "auto":
+        return auto_lookahead(mode, sum(w.nthreads for w in loading), most)
+    return int(lookahead)
