@@ -97,7 +97,8 @@ SOURCES = ("pread", "parquet", "zarr")
 #: "relay" takes the one the previous fit left with the parked engine. "relay-one-send"
 #: the TCP relay with ``rh-dask.relay.file-sends: 1``: a loading worker sends one file
 #: chunk at a time per task thread, where "relay" keeps as many in flight as
-#: ``rh-dask.relay.file-sends: auto`` allows.
+#: ``rh-dask.relay.file-sends: auto`` allows. Any of these with ``-L<n>`` appended
+#: ("relay-L8") fits with look-ahead ``n`` in place of ``--lookahead``.
 FIT_LOADERS = ("relay", "relay-dask", "cluster", "actor")
 RELAY_CONFIG = {
     "relay": {"rh-dask.relay.transport": "tcp"},
@@ -107,6 +108,7 @@ RELAY_CONFIG = {
     "relay-fresh": {"rh-dask.relay.transport": "tcp", "rh-dask.relay.keep-ring": False},
     "relay-one-send": {"rh-dask.relay.transport": "tcp", "rh-dask.relay.file-sends": 1},
 }
+LOOKAHEAD_SUFFIX = re.compile(r"^(?P<base>.+)-L(?P<lookahead>[0-9]+)$")
 BENCH_DIR = Path(__file__).resolve().parent
 REPO_ROOT = BENCH_DIR.parent
 
@@ -995,14 +997,24 @@ class References:
         return self._cache[key]
 
 
-def lookahead_for(args: argparse.Namespace) -> int | str:
-    """``--lookahead``: a number, or ``auto``, the library's ``lookahead="auto"``.
+def lookahead_for(args: argparse.Namespace, loader: str = "") -> int | str:
+    """The look-ahead ``loader`` fits with: its ``-L<n>`` suffix, else ``--lookahead``.
 
-    With ``relay``, ``auto`` is twice the loading workers' task threads (at
-    least 8): max(8, 2 N) for N one-thread loaders. The number a fit used is
-    its ``placement_["lookahead"]``.
+    ``--lookahead`` is a number, or ``auto``, the library's
+    ``lookahead="auto"``: with ``relay``, twice the chunks the loading
+    workers may have in flight (task threads, or file sends where more), at
+    least 8. The number a fit used is its ``placement_["lookahead"]``.
     """
+    match = LOOKAHEAD_SUFFIX.match(loader)
+    if match is not None:
+        return int(match["lookahead"])
     return "auto" if args.lookahead == "auto" else int(args.lookahead)
+
+
+def relay_config_of(loader: str) -> dict[str, Any] | None:
+    """The settings of a relayed ``loader`` (its ``-L<n>`` suffix aside), else None."""
+    match = LOOKAHEAD_SUFFIX.match(loader)
+    return RELAY_CONFIG.get(match["base"] if match is not None else loader)
 
 
 def run_fit(
@@ -1016,12 +1028,14 @@ def run_fit(
     """One timed fit (after a warm-up fit of two chunks) with ``loader``."""
     from rh_dask import RenewableHuberRegressor
 
-    relay_config = RELAY_CONFIG.get(loader)
+    relay_config = relay_config_of(loader)
+    match = LOOKAHEAD_SUFFIX.match(loader)
+    base = match["base"] if match is not None else loader
     params = dict(
         engine=args.engine,
         dtype=args.dtype,
-        loader="relay" if relay_config else loader,
-        lookahead=lookahead_for(args),
+        loader="relay" if relay_config is not None else base,
+        lookahead=lookahead_for(args, loader),
         worker=worker,
         progress=False,
     )
@@ -1694,8 +1708,8 @@ def run_cluster(
                     args.transfer_chunks,
                 ),
             )
-        relayed = [name for name in loaders if name in RELAY_CONFIG]
-        others = [name for name in loaders if name not in RELAY_CONFIG]
+        relayed = [name for name in loaders if relay_config_of(name) is not None]
+        others = [name for name in loaders if relay_config_of(name) is None]
         memory = RoleMemory(cluster.pids())
         fits_for(entry, args, others, dirs, engine_addr, memory, refs)
         if relayed or "relay-ceiling" not in skip:

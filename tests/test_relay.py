@@ -44,8 +44,10 @@ from rh_dask.distributed.placement import (
     WorkerInfo,
     advertised_relays,
     auto_lookahead,
+    chunks_in_flight,
     loading_workers,
     relay_candidates,
+    resolve_lookahead,
 )
 from rh_dask.distributed.ring import ChunkRing, RingError
 from rh_dask.distributed.shelf import release_engines
@@ -198,7 +200,7 @@ def test_relay_and_loading_worker_rules():
 
 
 def test_auto_lookahead_rule():
-    # Off the engine's worker: twice the loading threads, at least 8, at most the cap.
+    # Off the engine's worker: twice the chunks in flight, at least 8, at most the cap.
     assert auto_lookahead("relay", 2, 32) == BASE_LOOKAHEAD == 8
     assert auto_lookahead("relay", 6, 32) == 12
     assert auto_lookahead("cluster", 12, 32) == 24
@@ -210,10 +212,27 @@ def test_auto_lookahead_rule():
     assert auto_lookahead("relay", 16, 5) == 5 and auto_lookahead("actor", 0, 5) == 5
 
 
+def test_chunks_in_flight_counts_threads_or_file_sends():
+    one, three = WorkerInfo("tcp://a:1", 1, {}), WorkerInfo("tcp://b:1", 3, {})
+    assert chunks_in_flight([one, three]) == 4
+    # "auto" with 8 relays for 2 loaders: 4 sends each, at most 2 per task thread.
+    assert chunks_in_flight([one, three], (4, 2)) == 2 + 4
+    # A number of sends holds whatever the threads; never fewer than the threads.
+    assert chunks_in_flight([one, three], (5, None)) == 5 + 5
+    assert chunks_in_flight([one, three], (1, None)) == 1 + 3
+    assert chunks_in_flight([]) == 0
+    # Four one-thread loaders with two sends each: 16 chunks ahead, not 8.
+    four = [WorkerInfo(f"tcp://l{i}:1", 1, {}) for i in range(4)]
+    assert resolve_lookahead("auto", "relay", four, 32, (2, 2)) == 16
+    assert resolve_lookahead("auto", "relay", four, 32) == 8
+    assert resolve_lookahead(5, "relay", four, 32, (2, 2)) == 5
+
+
 @pytest.mark.timeout(120)
 def test_lookahead_auto_follows_the_loading_threads(ring_dir, snapshot, assert_unchanged):
     # Two loading workers of three task threads each beside the engine (2) and two
-    # relays (1 each): relay 2 x 6 = 12 chunks, cluster (every worker loads) 2 x 10.
+    # relays (1 each): relay 2 x 6 = 12 chunks, cluster (every worker loads) 2 x 10;
+    # with more file sends than threads, twice the sends.
     roles = _roles(Worker)
     for name in ("load-0", "load-1"):
         roles[name] = {"cls": Worker, "options": {"nthreads": 3}}
@@ -223,19 +242,23 @@ def test_lookahead_auto_follows_the_loading_threads(ring_dir, snapshot, assert_u
     with _cluster(roles) as spec, Client(spec, set_as_default=False) as c:
         c.wait_for_workers(len(roles))
         with c.as_current():
-            for loader, cap, expected in [
-                ("relay", None, 12),
-                ("cluster", None, 20),
-                ("actor", None, 8),
-                ("relay", 10, 10),
+            cap = {"rh-dask.distributed.lookahead-max": 10}
+            sends = {"rh-dask.relay.file-sends": 5}
+            for loader, settings, expected in [
+                ("relay", {}, 12),
+                ("cluster", {}, 20),
+                ("actor", {}, 8),
+                ("relay", cap, 10),
+                # Five file sends per loading worker over TCP: 2 x (5 + 5).
+                ("relay", sends, 20),
+                ("relay", {**sends, "rh-dask.relay.transport": "dask"}, 12),
             ]:
-                settings = {} if cap is None else {"rh-dask.distributed.lookahead-max": cap}
                 engine = _by_name(c)["engine"]
                 model = RenewableHuberRegressor(loader=loader, worker=engine, progress=False)
                 assert model.get_params()["lookahead"] == "auto"
                 with dask.config.set(settings):
                     model.fit(Xd, yd)
-                assert model.placement_["lookahead"] == expected, (loader, cap)
+                assert model.placement_["lookahead"] == expected, (loader, settings)
                 _same(model, ref, assert_unchanged, snapshot)
             assert _left(ring_dir, c) == []
 

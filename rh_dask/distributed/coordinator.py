@@ -496,6 +496,20 @@ class ClusterWalk:
             return loading_workers(workers, host, [w.address for w in relays])
         return workers  # "cluster" loads anywhere; the others on the engine's worker
 
+    def _file_sends(
+        self, host: WorkerInfo, workers: list[WorkerInfo]
+    ) -> tuple[int, int | None] | None:
+        """The file sends each loading worker may keep in flight (``"relay"`` over TCP), else none.
+
+        Counted from the relay candidates before any attaches, which is what
+        ``lookahead="auto"`` needs before the ring is made.
+        """
+        if self._mode != "relay" or self._relay_transport() != "tcp":
+            return None
+        relays = relay_candidates(workers, host, self.settings.relay_resource)
+        loading = loading_workers(workers, host, [w.address for w in relays])
+        return file_sends_per_loader(len(relays), len(loading), self.settings.relay_file_sends)
+
     # -- relays --------------------------------------------------------------------------
     def _slot_bytes(self) -> int:
         """A ring slot's size: the setting, else the largest chunk an array stream holds."""
@@ -735,6 +749,7 @@ class ClusterWalk:
             self._mode,
             self._loading(host, workers),
             self.settings.lookahead_max,
+            self._file_sends(host, workers),
         )
         self.outcome.placement = {
             "worker": host.address,

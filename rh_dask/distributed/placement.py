@@ -156,29 +156,56 @@ def loading_workers(
 BASE_LOOKAHEAD = 8
 
 
-def auto_lookahead(mode: str, loading_threads: int, most: int) -> int:
+def auto_lookahead(mode: str, in_flight: int, most: int) -> int:
     """``lookahead="auto"``: the chunks a walk keeps ahead of the engine.
 
     Where chunks load off the engine's worker (``mode`` ``"relay"`` or
-    ``"cluster"``), twice the loading workers' task threads, so that each
-    has a chunk queued behind the one it loads (measured in
-    docs/performance.md, "Scale-out"); at least :data:`BASE_LOOKAHEAD`, at
-    most ``most`` (``rh-dask.distributed.lookahead-max``). Elsewhere
+    ``"cluster"``), twice ``in_flight``, the chunks the loading workers may
+    load or send at once, so that each has a chunk queued behind the one in
+    flight (measured in docs/performance.md, "Scale-out"); at least
+    :data:`BASE_LOOKAHEAD`, at most ``most``
+    (``rh-dask.distributed.lookahead-max``). Elsewhere
     :data:`BASE_LOOKAHEAD`, capped the same way.
     """
     if mode in ("relay", "cluster"):
-        return min(max(BASE_LOOKAHEAD, 2 * int(loading_threads)), int(most))
+        return min(max(BASE_LOOKAHEAD, 2 * int(in_flight)), int(most))
     return min(BASE_LOOKAHEAD, int(most))
 
 
+def chunks_in_flight(
+    loading: list[WorkerInfo], file_sends: tuple[int, int | None] | None = None
+) -> int:
+    """The chunks ``loading`` workers may have in hand at once.
+
+    One per task thread; where a relayed stream's file chunks go out with
+    more sends than threads (``file_sends``, the ``(per worker, per task
+    thread)`` pair of :func:`rh_dask.distributed.push.file_sends_per_loader`),
+    the sends a worker may keep in flight.
+    """
+    total = 0
+    for w in loading:
+        threads = int(w.nthreads)
+        sends = 0
+        if file_sends is not None:
+            per_worker, per_thread = file_sends
+            sends = per_worker if per_thread is None else min(per_worker, per_thread * threads)
+        total += max(threads, sends)
+    return total
+
+
 def resolve_lookahead(
-    lookahead: int | str, mode: str, loading: list[WorkerInfo], most: int
+    lookahead: int | str,
+    mode: str,
+    loading: list[WorkerInfo],
+    most: int,
+    file_sends: tuple[int, int | None] | None = None,
 ) -> int:
     """The look-ahead a walk runs with: ``lookahead`` itself, or ``"auto"`` decided.
 
     ``loading`` are the workers that load its chunks (none in the client's
-    process); see :func:`auto_lookahead`.
+    process), ``file_sends`` their file sends where chunks are relayed over
+    TCP; see :func:`auto_lookahead` and :func:`chunks_in_flight`.
     """
     if isinstance(lookahead, str) and lookahead == "auto":
-        return auto_lookahead(mode, sum(w.nthreads for w in loading), most)
+        return auto_lookahead(mode, chunks_in_flight(loading, file_sends), most)
     return int(lookahead)
