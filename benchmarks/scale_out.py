@@ -1443,7 +1443,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--lookahead",
         default="8",
-        help="chunks ahead of the engine, or auto: the library's (max(8, 2 N) with relay)",
+        help="chunks ahead of the engine, or auto: the library's (with relay, twice the "
+        "loaders' chunks in flight, at least 8)",
     )
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument(

@@ -91,10 +91,12 @@ class RenewableHuberRegressor(RegressorMixin, BaseEstimator):
         parallel, while it fits the current one. Look-ahead host memory is
         bounded by this many chunks. ``"auto"``: 8 where chunks load on the
         engine's worker; where they load off it (``loader`` ``"relay"`` or
-        ``"cluster"``), twice the loading workers' task threads, at least 8
-        and at most ``rh-dask.distributed.lookahead-max`` (32). The number a
-        walk used is ``placement_["lookahead"]``. See ``docs/distributed.md``
-        for how it was measured.
+        ``"cluster"``), twice the chunks the loading workers may have in
+        flight (their task threads, or with ``"relay"`` over TCP the file
+        sends they keep in flight where more), at least 8 and at most
+        ``rh-dask.distributed.lookahead-max`` (32). The number a walk used
+        is ``placement_["lookahead"]``. See ``docs/distributed.md`` for how
+        it was measured.
     loader : {"auto", "actor", "engine-worker", "cluster", "relay"}, default="auto"
         Dask streams only: where chunks load. ``"actor"`` sends the chunk
         graphs to the worker holding the engine once, and that worker computes

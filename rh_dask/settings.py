@@ -291,7 +291,8 @@ class Settings:
         ``rh-dask.distributed.lookahead-max``: the most chunks
         ``lookahead="auto"`` keeps ahead of the engine when chunks load off
         its worker (``loader`` ``"relay"`` or ``"cluster"``: twice the
-        loading workers' task threads, at least 8, at most this).
+        chunks the loading workers may have in flight, their task threads
+        or relayed file sends where more, at least 8, at most this).
     refill_every : int or "auto"
         ``rh-dask.distributed.refill-every``: with a task per chunk, the
         walk tops up the look-ahead each time this many more chunks have
