@@ -1103,7 +1103,10 @@ def chunk_timeline(
     for ``i >= lookahead``, ``refill`` (from the end of chunk ``i - lookahead``'s
     consumption, which frees the window, to the start of chunk ``i``'s task:
     the poll, the submission, the scheduler and the loader's queue).
-    Milliseconds, median and 90th percentile.
+    Milliseconds, median and 90th percentile. ``in_flight``: the chunks in
+    their hand-over task and waiting for their turn, on average over the
+    stream (from the first task's start to the last chunk consumed), to set
+    against the look-ahead.
     """
     spans: dict[int, tuple[float, float, str]] = {}
     for record in records:
@@ -1126,10 +1129,11 @@ def chunk_timeline(
     anchor = max(spans[i][1] - begin[i] for i in spans if i < n)
     consume_start = anchor + begin
     consume_end = consume_start + seconds
-    send, turn, refill = [], [], []
+    send, turn, refill, starts = [], [], [], []
     for i, (start, stop, _) in sorted(spans.items()):
         if i >= n:
             continue
+        starts.append(start)
         send.append(stop - start)
         turn.append(consume_start[i] - stop)
         if i >= lookahead:
@@ -1141,8 +1145,15 @@ def chunk_timeline(
         v = np.asarray(values) * 1e3
         return {"median_ms": float(np.median(v)), "p90_ms": float(np.percentile(v, 90))}
 
+    span = float(consume_end[-1] - min(starts)) if starts else 0.0
+    in_flight = (
+        {"send": sum(send) / span, "turn": sum(turn) / span, "lookahead": int(lookahead)}
+        if span > 0
+        else None
+    )
     return {
         "chunks": len(send),
+        "in_flight": in_flight,
         "send": summary(send),
         "turn": summary(turn),
         "refill": summary(refill),
@@ -1163,7 +1174,14 @@ def chunk_timeline_line(timeline: dict[str, Any]) -> str:
         v = timeline.get(name)
         if v:
             parts.append(f"{name} {v['median_ms']:.1f}/{v['p90_ms']:.1f}")
-    return (" ms " + " ".join(parts)) if parts else ""
+    line = (" ms " + " ".join(parts)) if parts else ""
+    held = timeline.get("in_flight")
+    if held:
+        line += (
+            f"; in flight {held['send']:.1f} sending, {held['turn']:.1f} waiting"
+            f" of {held['lookahead']}"
+        )
+    return line
 
 
 def task_breakdown(
