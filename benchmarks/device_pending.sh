@@ -145,22 +145,22 @@ gemv)
         --output "$out/gemv_probe-16-cores-busy8.json" 2>&1 | tail -13
     ;;
 scale)
-    # The cheap source read with rh_dask.read_npy, chunks sent with sendfile, at every N
-    # with the library's defaults (file-sends auto, lookahead auto: twice the chunks the
-    # loaders may have in flight), three timed fits each after the untimed whole
-    # warm-up; one task thread per loading core, relays per N as scale_out.py's
-    # relays_and_threads chooses (N = 1, 2: 4 relays, 2 sends per loader; N = 4: 8
-    # relays, 2 sends, so 16 ahead; N = 8: 4 relays, 1 send, 16 ahead). Then N = 4
-    # again, look-ahead 8 (what "auto" gave before it counted sends) against "auto".
-    # Coefficients bit-identical; targets 18 M rows/s at N = 4 and 0.8 x N x floor
-    # (docs/performance.md, Scale-out).
-    timeout 400 python benchmarks/scale_out.py --engine gpu --sources pread --loaders 1,2,4,8 \
-        --compare relay --repeats 3 --lookahead auto --skip comm,relay-ceiling \
-        --output "$out/scale_out-pread.json" 2>&1 | grep -E "^N=|floor|n4|host copy"
-    timeout 180 python benchmarks/scale_out.py --engine gpu --sources pread --loaders 4 \
-        --compare relay-L8,relay --repeats 3 --lookahead auto \
+    # The cheap source read with rh_dask.read_npy, chunks sent with sendfile. First N = 4
+    # with look-ahead 8 (what "auto" gave when it counted task threads only) against the
+    # library's "auto" (twice the chunks in flight: 8 relays, 2 sends per loader, so 16),
+    # alternated twice. Then every N at the library's defaults (file-sends auto,
+    # lookahead auto), three timed fits each after the untimed whole warm-up; one task
+    # thread per loading core, relays per N as scale_out.py's relays_and_threads chooses
+    # (N = 1, 2: 4 relays, 2 sends per loader; N = 4: 8 relays, 2 sends; N = 8: 4 relays,
+    # 1 send). Coefficients bit-identical; targets 18 M rows/s at N = 4 and
+    # 0.8 x N x floor (docs/performance.md, Scale-out).
+    timeout 200 python benchmarks/scale_out.py --engine gpu --sources pread --loaders 4 \
+        --compare relay-L8,relay,relay-L8#2,relay#2 --repeats 3 --lookahead auto \
         --skip comm,relay-ceiling,floors-together,host-copy \
         --output "$out/scale_out-pread-n4-lookahead.json" 2>&1 | grep -E "^N=|floor"
+    timeout 380 python benchmarks/scale_out.py --engine gpu --sources pread --loaders 1,2,4,8 \
+        --compare relay --repeats 3 --lookahead auto --skip comm,relay-ceiling \
+        --output "$out/scale_out-pread.json" 2>&1 | grep -E "^N=|floor|n4|host copy"
     ;;
 formats)
     # Parquet and Zarr, whole 20M-row fits, lookahead max(8, 2 N): target ratio >= 1 at

@@ -98,7 +98,9 @@ SOURCES = ("pread", "parquet", "zarr")
 #: the TCP relay with ``rh-dask.relay.file-sends: 1``: a loading worker sends one file
 #: chunk at a time per task thread, where "relay" keeps as many in flight as
 #: ``rh-dask.relay.file-sends: auto`` allows. Any of these with ``-L<n>`` appended
-#: ("relay-L8") fits with look-ahead ``n`` in place of ``--lookahead``.
+#: ("relay-L8") fits with look-ahead ``n`` in place of ``--lookahead``; a ``#tag``
+#: after a name ("relay#2") fits the same loader again under another name, so
+#: that one run can alternate two of them.
 FIT_LOADERS = ("relay", "relay-dask", "cluster", "actor")
 RELAY_CONFIG = {
     "relay": {"rh-dask.relay.transport": "tcp"},
@@ -108,7 +110,7 @@ RELAY_CONFIG = {
     "relay-fresh": {"rh-dask.relay.transport": "tcp", "rh-dask.relay.keep-ring": False},
     "relay-one-send": {"rh-dask.relay.transport": "tcp", "rh-dask.relay.file-sends": 1},
 }
-LOOKAHEAD_SUFFIX = re.compile(r"^(?P<base>.+)-L(?P<lookahead>[0-9]+)$")
+LOOKAHEAD_SUFFIX = re.compile(r"^(?P<base>.+?)(-L(?P<lookahead>[0-9]+))?(#\w+)?$")
 BENCH_DIR = Path(__file__).resolve().parent
 REPO_ROOT = BENCH_DIR.parent
 
@@ -1006,15 +1008,20 @@ def lookahead_for(args: argparse.Namespace, loader: str = "") -> int | str:
     least 8. The number a fit used is its ``placement_["lookahead"]``.
     """
     match = LOOKAHEAD_SUFFIX.match(loader)
-    if match is not None:
+    if match is not None and match["lookahead"] is not None:
         return int(match["lookahead"])
     return "auto" if args.lookahead == "auto" else int(args.lookahead)
 
 
-def relay_config_of(loader: str) -> dict[str, Any] | None:
-    """The settings of a relayed ``loader`` (its ``-L<n>`` suffix aside), else None."""
+def base_loader(loader: str) -> str:
+    """``loader`` without its ``-L<n>`` and ``#tag`` suffixes."""
     match = LOOKAHEAD_SUFFIX.match(loader)
-    return RELAY_CONFIG.get(match["base"] if match is not None else loader)
+    return match["base"] if match is not None else loader
+
+
+def relay_config_of(loader: str) -> dict[str, Any] | None:
+    """The settings of a relayed ``loader`` (its suffixes aside), else None."""
+    return RELAY_CONFIG.get(base_loader(loader))
 
 
 def run_fit(
@@ -1029,12 +1036,10 @@ def run_fit(
     from rh_dask import RenewableHuberRegressor
 
     relay_config = relay_config_of(loader)
-    match = LOOKAHEAD_SUFFIX.match(loader)
-    base = match["base"] if match is not None else loader
     params = dict(
         engine=args.engine,
         dtype=args.dtype,
-        loader="relay" if relay_config is not None else base,
+        loader="relay" if relay_config is not None else base_loader(loader),
         lookahead=lookahead_for(args, loader),
         worker=worker,
         progress=False,
