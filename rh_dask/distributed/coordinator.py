@@ -507,7 +507,7 @@ class ClusterWalk:
         if self._mode != "relay" or self._relay_transport() != "tcp":
             return None
         relays = relay_candidates(workers, host, self.settings.relay_resource)
-        loading = loading_workers(workers, host, [w.address for w in relays])
+        loading = self._loading(host, workers)
         return file_sends_per_loader(len(relays), len(loading), self.settings.relay_file_sends)
 
     # -- relays --------------------------------------------------------------------------
