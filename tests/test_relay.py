@@ -26,6 +26,7 @@ import signal
 import tempfile
 import threading
 import time
+from functools import partial
 
 import dask.array as da
 import dask.config
@@ -49,6 +50,7 @@ from rh_dask.distributed.placement import (
     relay_candidates,
     resolve_lookahead,
 )
+from rh_dask.distributed.push import file_sends_per_loader, sends_allowed
 from rh_dask.distributed.ring import ChunkRing, RingError
 from rh_dask.distributed.shelf import release_engines
 from rh_dask.engines import NumpyEngine
@@ -216,16 +218,19 @@ def test_chunks_in_flight_counts_threads_or_file_sends():
     one, three = WorkerInfo("tcp://a:1", 1, {}), WorkerInfo("tcp://b:1", 3, {})
     assert chunks_in_flight([one, three]) == 4
     # "auto" with 8 relays for 2 loaders: 4 sends each, at most 2 per task thread.
-    assert chunks_in_flight([one, three], (4, 2)) == 2 + 4
+    assert file_sends_per_loader(8, 2, "auto") == (4, 2)
+    assert chunks_in_flight([one, three], partial(sends_allowed, 4, 2)) == 2 + 4
     # A number of sends holds whatever the threads; never fewer than the threads.
-    assert chunks_in_flight([one, three], (5, None)) == 5 + 5
-    assert chunks_in_flight([one, three], (1, None)) == 1 + 3
+    assert file_sends_per_loader(8, 2, 5) == (5, None)
+    assert chunks_in_flight([one, three], partial(sends_allowed, 5, None)) == 5 + 5
+    assert chunks_in_flight([one, three], partial(sends_allowed, 1, None)) == 1 + 3
     assert chunks_in_flight([]) == 0
     # Four one-thread loaders with two sends each: 16 chunks ahead, not 8.
     four = [WorkerInfo(f"tcp://l{i}:1", 1, {}) for i in range(4)]
-    assert resolve_lookahead("auto", "relay", four, 32, (2, 2)) == 16
+    two_each = partial(sends_allowed, *file_sends_per_loader(8, 4, "auto"))
+    assert resolve_lookahead("auto", "relay", four, 32, two_each) == 16
     assert resolve_lookahead("auto", "relay", four, 32) == 8
-    assert resolve_lookahead(5, "relay", four, 32, (2, 2)) == 5
+    assert resolve_lookahead(5, "relay", four, 32, two_each) == 5
 
 
 @pytest.mark.timeout(120)

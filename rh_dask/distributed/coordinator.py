@@ -45,6 +45,7 @@ so it ends with the coefficients an uninterrupted walk gives, bit for bit.
 
 from __future__ import annotations
 
+import functools
 import time
 import uuid
 from collections.abc import Callable, Sequence
@@ -87,7 +88,7 @@ from .placement import (
     scheduler_workers,
 )
 from .progress import StreamProgress
-from .push import PushSpec, file_sends_per_loader, push_chunk, push_file_chunk
+from .push import PushSpec, file_sends_per_loader, push_chunk, push_file_chunk, sends_allowed
 from .relay import attach_relay, relay_chunk
 from .ring import RingSpec
 
@@ -497,18 +498,19 @@ class ClusterWalk:
         return workers  # "cluster" loads anywhere; the others on the engine's worker
 
     def _file_sends(
-        self, host: WorkerInfo, workers: list[WorkerInfo]
-    ) -> tuple[int, int | None] | None:
-        """The file sends each loading worker may keep in flight (``"relay"`` over TCP), else none.
+        self, host: WorkerInfo, workers: list[WorkerInfo], loaders: int
+    ) -> Callable[[int], int] | None:
+        """The file sends a loading worker may keep in flight, by its task threads.
 
-        Counted from the relay candidates before any attaches, which is what
-        ``lookahead="auto"`` needs before the ring is made.
+        Only with ``"relay"`` over TCP (else None); counted from the relay
+        candidates before any attaches, which is what ``lookahead="auto"``
+        needs before the ring is made.
         """
         if self._mode != "relay" or self._relay_transport() != "tcp":
             return None
         relays = relay_candidates(workers, host, self.settings.relay_resource)
-        loading = self._loading(host, workers)
-        return file_sends_per_loader(len(relays), len(loading), self.settings.relay_file_sends)
+        pair = file_sends_per_loader(len(relays), loaders, self.settings.relay_file_sends)
+        return functools.partial(sends_allowed, *pair)
 
     # -- relays --------------------------------------------------------------------------
     def _slot_bytes(self) -> int:
@@ -744,12 +746,13 @@ class ClusterWalk:
         self._mode = resolve_loader(
             self.loader, host, workers, contained, self.settings.relay_resource
         )
+        loading = self._loading(host, workers)
         self.lookahead = resolve_lookahead(
             self.requested_lookahead,
             self._mode,
-            self._loading(host, workers),
+            loading,
             self.settings.lookahead_max,
-            self._file_sends(host, workers),
+            self._file_sends(host, workers, len(loading)),
         )
         self.outcome.placement = {
             "worker": host.address,

@@ -16,6 +16,7 @@ A request no worker can host raises
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -172,25 +173,15 @@ def auto_lookahead(mode: str, in_flight: int, most: int) -> int:
     return min(BASE_LOOKAHEAD, int(most))
 
 
-def chunks_in_flight(
-    loading: list[WorkerInfo], file_sends: tuple[int, int | None] | None = None
-) -> int:
+def chunks_in_flight(loading: list[WorkerInfo], sends: Callable[[int], int] | None = None) -> int:
     """The chunks ``loading`` workers may have in hand at once.
 
     One per task thread; where a relayed stream's file chunks go out with
-    more sends than threads (``file_sends``, the ``(per worker, per task
-    thread)`` pair of :func:`rh_dask.distributed.push.file_sends_per_loader`),
-    the sends a worker may keep in flight.
+    more sends than threads, the sends a worker may keep in flight:
+    ``sends(task_threads)`` (:func:`rh_dask.distributed.push.sends_allowed`
+    for the stream).
     """
-    total = 0
-    for w in loading:
-        threads = int(w.nthreads)
-        sends = 0
-        if file_sends is not None:
-            per_worker, per_thread = file_sends
-            sends = per_worker if per_thread is None else min(per_worker, per_thread * threads)
-        total += max(threads, sends)
-    return total
+    return sum(max(w.nthreads, 0 if sends is None else sends(w.nthreads)) for w in loading)
 
 
 def resolve_lookahead(
@@ -198,14 +189,15 @@ def resolve_lookahead(
     mode: str,
     loading: list[WorkerInfo],
     most: int,
-    file_sends: tuple[int, int | None] | None = None,
+    sends: Callable[[int], int] | None = None,
 ) -> int:
     """The look-ahead a walk runs with: ``lookahead`` itself, or ``"auto"`` decided.
 
     ``loading`` are the workers that load its chunks (none in the client's
-    process), ``file_sends`` their file sends where chunks are relayed over
-    TCP; see :func:`auto_lookahead` and :func:`chunks_in_flight`.
+    process), ``sends`` the file sends each may keep in flight where chunks
+    are relayed over TCP; see :func:`auto_lookahead` and
+    :func:`chunks_in_flight`.
     """
     if isinstance(lookahead, str) and lookahead == "auto":
-        return auto_lookahead(mode, chunks_in_flight(loading, file_sends), most)
+        return auto_lookahead(mode, chunks_in_flight(loading, sends), most)
     return int(lookahead)

@@ -55,7 +55,14 @@ from .file_chunks import FileChunk, refusal
 from .items import BadChunk, ChunkItem, LoadedChunk
 from .ring import PartLayout, SlotNote, layout_of
 
-__all__ = ["PushServer", "PushSpec", "file_sends_per_loader", "push_chunk", "push_file_chunk"]
+__all__ = [
+    "PushServer",
+    "PushSpec",
+    "file_sends_per_loader",
+    "push_chunk",
+    "push_file_chunk",
+    "sends_allowed",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -118,6 +125,18 @@ def file_sends_per_loader(relays: int, loaders: int, setting: int | str) -> tupl
     if setting == "auto":
         return max(1, relays // max(1, loaders)), AUTO_FILE_SENDS_PER_THREAD
     return int(setting), None
+
+
+def sends_allowed(file_sends: int, per_thread: int | None, threads: int | None) -> int:
+    """The file sends a loading worker with ``threads`` task threads may keep in flight.
+
+    ``file_sends`` and ``per_thread`` are the pair of
+    :func:`file_sends_per_loader`; ``threads`` None (not a Dask worker's
+    task) leaves the per-thread bound out.
+    """
+    if per_thread is not None and threads is not None:
+        return min(file_sends, per_thread * threads)
+    return file_sends
 
 
 def _digest(key: bytes, challenge: bytes) -> bytes:
@@ -515,9 +534,7 @@ def _file_send_slot(spec: PushSpec) -> Iterator[None]:
     slot keeps its thread.
     """
     threads = _task_threads()
-    limit = spec.file_sends
-    if spec.file_sends_per_thread is not None and threads is not None:
-        limit = min(limit, spec.file_sends_per_thread * threads)
+    limit = sends_allowed(spec.file_sends, spec.file_sends_per_thread, threads)
     with _slots_lock:
         slots = _slots.get((spec.ring_id, limit))
         if slots is None:
