@@ -167,6 +167,18 @@ def rh_numpy_steady(config, batches, runner):
     return runner(setup, run)
 
 
+def fit_fresh(engine, params, batches, to_input=None):
+    """A fresh estimator's plain ``partial_fit`` loop: the model and each batch's iterations."""
+    model = RenewableHuberRegressor(engine=engine, **params)
+    its = []
+    for X, y in batches:
+        if to_input is not None:
+            X, y = to_input(X, y)
+        model.partial_fit(X, y)
+        its.append(model.n_iter_)
+    return model, its
+
+
 def rh_estimator_cold(config, batches, runner, engine, to_input=None):
     params = config.to_dict()
 
@@ -174,14 +186,7 @@ def rh_estimator_cold(config, batches, runner, engine, to_input=None):
         return None
 
     def run(_):
-        model = RenewableHuberRegressor(engine=engine, **params)
-        its = []
-        for X, y in batches:
-            if to_input is not None:
-                X, y = to_input(X, y)
-            model.partial_fit(X, y)
-            its.append(model.n_iter_)
-        return its
+        return fit_fresh(engine, params, batches, to_input)[1]
 
     return runner(setup, run)
 
@@ -201,11 +206,7 @@ def rh_auto_cold(config, batches, runner):
     seen: dict[str, Any] = {}
 
     def run(_):
-        model = RenewableHuberRegressor(engine="auto", **params)
-        its = []
-        for X, y in batches:
-            model.partial_fit(X, y)
-            its.append(model.n_iter_)
+        model, its = fit_fresh("auto", params, batches)
         choice = model.engine_choice_
         if "engine" not in seen:  # the run that calibrated
             seen["engine"] = model.engine_
@@ -244,9 +245,7 @@ def auto_paired(config, batches, engines: list[str], pairs: int) -> dict[str, An
     def stream(name: str) -> float:
         _sync()
         start = time.perf_counter()
-        model = RenewableHuberRegressor(engine=name, **params)
-        for X, y in batches:
-            model.partial_fit(X, y)
+        model, _ = fit_fresh(name, params, batches)
         _sync()
         elapsed = time.perf_counter() - start
         if name == "auto":
