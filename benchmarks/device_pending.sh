@@ -14,7 +14,8 @@
 #   bash benchmarks/device_pending.sh sweep-wide # the same sweep's wide designs, p = 512-2048
 #   bash benchmarks/device_pending.sh numpy   # NumPy engine's threads on 16 cores vs the peer
 #   bash benchmarks/device_pending.sh gemv    # how the L1 streams' Z v / Zᵀ u should use 16 cores
-#   bash benchmarks/device_pending.sh scale   # issue 14: the cheap source, N = 1-8, ring locked or not
+#   bash benchmarks/device_pending.sh scale   # issue 14's judged cheap source, N = 1-8 at the defaults
+#   bash benchmarks/device_pending.sh lookahead # issue 14: N = 4, look-ahead 8 against auto
 #   bash benchmarks/device_pending.sh formats # issue 14: Parquet and Zarr, N = 2, 4, 8
 #   bash benchmarks/device_pending.sh plateau # issue 14: what holds the cheap source at 16-19 M rows/s
 #   bash benchmarks/device_pending.sh zarr    # issue 14: read_zarr's direct decode, N = 2, 4, 8
@@ -145,22 +146,27 @@ gemv)
         --output "$out/gemv_probe-16-cores-busy8.json" 2>&1 | tail -13
     ;;
 scale)
-    # The cheap source read with rh_dask.read_npy, chunks sent with sendfile. First N = 4
-    # with look-ahead 8 (what "auto" gave when it counted task threads only) against the
-    # library's "auto" (twice the chunks in flight: 8 relays, 2 sends per loader, so 16),
-    # alternated twice. Then every N at the library's defaults (file-sends auto,
-    # lookahead auto), three timed fits each after the untimed whole warm-up; one task
-    # thread per loading core, relays per N as scale_out.py's relays_and_threads chooses
-    # (N = 1, 2: 4 relays, 2 sends per loader; N = 4: 8 relays, 2 sends; N = 8: 4 relays,
-    # 1 send). Coefficients bit-identical; targets 18 M rows/s at N = 4 and
-    # 0.8 x N x floor (docs/performance.md, Scale-out).
+    # Issue 14's judged run of the cheap source: rh_dask.read_npy, chunks sent with
+    # sendfile, every N at the library's defaults (file-sends auto, lookahead auto: twice
+    # the chunks the loaders may have in flight), three timed fits each after the untimed
+    # whole warm-up; one task thread per loading core, relays per N as scale_out.py's
+    # relays_and_threads chooses (N = 1, 2: 4 relays, 2 sends per loader; N = 4: 8 relays,
+    # 2 sends; N = 8: 4 relays, 1 send). The load floor is sampled before the fits and
+    # before each N's; the ratios use the median (printed last, with each N's ratio to
+    # the sample right before it). Coefficients bit-identical; targets 18 M rows/s at
+    # N = 4 and 0.8 x N x floor (docs/performance.md, Scale-out). ~4 min.
+    timeout 420 python benchmarks/scale_out.py --engine gpu --sources pread --loaders 1,2,4,8 \
+        --compare relay --repeats 3 --lookahead auto --skip comm,relay-ceiling \
+        --output "$out/scale_out-pread.json" 2>&1 | grep -E "^N=|floor|n4|host copy"
+    ;;
+lookahead)
+    # N = 4 with look-ahead 8 (what "auto" gave when it counted task threads only)
+    # against the library's "auto" (16 there), alternated twice (docs/performance.md,
+    # "The look-ahead counts the sends").
     timeout 200 python benchmarks/scale_out.py --engine gpu --sources pread --loaders 4 \
         --compare relay-L8,relay,relay-L8#2,relay#2 --repeats 3 --lookahead auto \
         --skip comm,relay-ceiling,floors-together,host-copy \
         --output "$out/scale_out-pread-n4-lookahead.json" 2>&1 | grep -E "^N=|floor"
-    timeout 380 python benchmarks/scale_out.py --engine gpu --sources pread --loaders 1,2,4,8 \
-        --compare relay --repeats 3 --lookahead auto --skip comm,relay-ceiling \
-        --output "$out/scale_out-pread.json" 2>&1 | grep -E "^N=|floor|n4|host copy"
     ;;
 formats)
     # Parquet and Zarr, whole 20M-row fits, lookahead max(8, 2 N): target ratio >= 1 at
@@ -168,12 +174,14 @@ formats)
     # fits, N = 8 kept its loaders 63-89 % busy and reached 0.62 of N x floor
     # (scale_out-h200-formats-8m.json); the Parquet loader task took 293-328 ms per
     # 262,144-row chunk there, against a floor of 312.
+    # The one-process floors are sampled once here (floor-repeat skipped: a Parquet floor
+    # takes about 20 s, and the call's 10 minutes are nearly spent).
     # Zarr needs its wheels carried too:
     #   ../shared/tools/device-wheels.sh zarr donfig google-crc32c msgspec numcodecs \
     #       typing-extensions packaging
     timeout 560 python benchmarks/scale_out.py --engine gpu --sources parquet,zarr \
         --loaders 2,4,8 --compare relay --repeats 2 --lookahead auto \
-        --skip comm,relay-ceiling,host-copy --output "$out/scale_out-formats.json" 2>&1 \
+        --skip comm,relay-ceiling,host-copy,floor-repeat --output "$out/scale_out-formats.json" 2>&1 \
         | grep -E "^N=|floor"
     ;;
 plateau)
