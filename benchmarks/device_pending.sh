@@ -181,8 +181,9 @@ formats)
     # fits, N = 8 kept its loaders 63-89 % busy and reached 0.62 of N x floor
     # (scale_out-h200-formats-8m.json); the Parquet loader task took 293-328 ms per
     # 262,144-row chunk there, against a floor of 312.
-    # The one-process floors are sampled once here (floor-repeat skipped: a Parquet floor
-    # takes about 20 s, and the call's 10 minutes are nearly spent).
+    # The one-process floors are sampled once here (floor-repeat skipped: sampling both
+    # again before each N would add about 35 s per N to a call that took 400 s on an
+    # H100 machine).
     # Zarr needs its wheels carried too:
     #   ../shared/tools/device-wheels.sh zarr donfig google-crc32c msgspec numcodecs \
     #       typing-extensions packaging
