@@ -1310,7 +1310,9 @@ def add_floor_sample(floors: dict[str, Any], source: str, sample: dict[str, Any]
     rate = sample.get("rows_per_second")
     record = floors.setdefault(source, {})
     if rate is None:
-        record.setdefault("failed_samples", []).append(sample)
+        # A copy: the first sample is the record itself, which must not hold itself.
+        failed = {k: v for k, v in sample.items() if k != "failed_samples"}
+        record.setdefault("failed_samples", []).append(failed)
         return
     record.setdefault("samples_rows_per_second", []).append(rate)
     record["median_rows_per_second"] = floor_rate(floors, source)
