@@ -20,6 +20,7 @@
 #   bash benchmarks/device_pending.sh formats # issue 14: Parquet and Zarr, N = 2, 4, 8
 #   bash benchmarks/device_pending.sh plateau # issue 14: what holds the cheap source at 16-19 M rows/s
 #   bash benchmarks/device_pending.sh zarr    # issue 14: read_zarr's direct decode, N = 2, 4, 8
+#   bash benchmarks/device_pending.sh before-after # a loading change against the tree before it
 #
 # Each part stays under one device call's 10 minutes. What to look for is in each
 # part's comment; a part that passes is the evidence for an option's default
@@ -242,8 +243,36 @@ zarr)
         --skip comm,relay-ceiling --config "rh-dask.readers.zarr-direct=$direct" \
         --output "$out/scale_out-zarr-direct-$direct.json" 2>&1 | grep -E "^N=|floor"
     ;;
+before-after)
+    # A change to the loading path against the tree before it, on one machine: the tree
+    # before under $BEFORE (default .probe/before, made here with
+    #   mkdir -p .probe/before && git archive REV rh_dask gpu_engine benchmarks \
+    #       | tar -x -C .probe/before
+    # and carried), fitted in the order before, after, after, before, from one dataset.
+    # The load floor is sampled in the first run only; 40-chunk fits. Rows/s per N and
+    # tree are in each JSON's fits; compare the two trees' medians.
+    #   bash benchmarks/device_pending.sh before-after [SOURCES] [LOADERS]
+    before=$(cd "${BEFORE:-.probe/before}" && pwd) || exit 1
+    sources=${2:-parquet}
+    loaders=${3:-4,8}
+    here=$PWD
+    i=0
+    for tree in "$before" "$here" "$here" "$before"; do
+        i=$((i + 1))
+        name=after
+        [ "$tree" = "$before" ] && name=before
+        skip=comm,relay-ceiling,host-copy,floor-repeat,floors-together
+        [ $i -gt 1 ] && skip=$skip,floors
+        (cd "$tree" && export PYTHONPATH="$tree${PYTHONPATH:+:$PYTHONPATH}" \
+            && timeout 200 python benchmarks/scale_out.py --engine gpu \
+            --sources "$sources" --loaders "$loaders" --compare relay --repeats 2 \
+            --lookahead auto --fit-rows 10485760 --data-dir /tmp/rh-dask-scale-out \
+            --skip "$skip" --output "$out/scale_out-before-after-$i-$name.json" 2>&1 \
+            | grep -E "^N=|floor")
+    done
+    ;;
 *)
-    echo "usage: $0 tests|pool|loop|columns|tiles|wide|sweep|sweep-wide|numpy|gemv|scale|judged|lookahead|formats|plateau|zarr" >&2
+    echo "usage: $0 tests|pool|loop|columns|tiles|wide|sweep|sweep-wide|numpy|gemv|scale|judged|lookahead|formats|plateau|zarr|before-after" >&2
     exit 2
     ;;
 esac

@@ -467,6 +467,77 @@ def test_file_sends_beyond_a_loaders_threads_leave_its_pool_and_equal_the_loop(
     assert _left(ring_dir, client) == []
 
 
+class _LoadsBesideSends:
+    """Which loading worker sends a loaded chunk, and which loads ran beside such a send."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.sending: dict[str, int] = {}
+        self.now = 0
+        self.most = 0
+        self.beside = 0
+
+    def load(self, block: np.ndarray) -> np.ndarray:
+        from distributed import get_worker
+
+        with self.lock:
+            self.beside += self.sending.get(get_worker().name, 0) > 0
+        return block
+
+    def wrap(self, send, seconds: float):
+        from distributed import get_worker
+
+        def slowed(sock, item):
+            name = get_worker().name
+            with self.lock:
+                self.sending[name] = self.sending.get(name, 0) + 1
+                self.now += 1
+                self.most = max(self.most, self.now)
+            try:
+                time.sleep(seconds)  # as a send that waits for its relay
+                return send(sock, item)
+            finally:
+                with self.lock:
+                    self.sending[name] -= 1
+                    self.now -= 1
+
+        return slowed
+
+
+#: The watch of the running test (a graph's functions are pickled, its locks cannot be).
+_WATCH = _LoadsBesideSends()
+
+
+def _watched_load(block: np.ndarray) -> np.ndarray:
+    return _WATCH.load(block)
+
+
+def test_a_loaded_chunks_send_leaves_the_pool_so_the_next_chunk_loads_meanwhile(
+    client, ring_dir, monkeypatch, snapshot, assert_unchanged
+):
+    # Each loaded chunk's send is slowed, as one waiting for its relay. The two
+    # loading workers have one task thread each and share this process: at
+    # most one send in flight, and the worker that sends loads its next chunk
+    # meanwhile, which it could not while the send held its only thread.
+    from rh_dask.distributed import push as push_module
+
+    watch = _LoadsBesideSends()
+    monkeypatch.setitem(globals(), "_WATCH", watch)
+    monkeypatch.setattr(push_module, "_send_chunk", watch.wrap(push_module._send_chunk, 0.15))
+    X, y, w = _data(n=4_000, seed=19, weights=True)
+    Xd = da.from_array(X, chunks=(400, 5)).map_blocks(
+        _watched_load, dtype=X.dtype, meta=np.empty((0, 0), X.dtype)
+    )
+    model = RenewableHuberRegressor(loader="relay", lookahead=8, progress=False)
+    with dask.config.set({"rh-dask.relay.transport": "tcp"}):
+        model.fit(Xd, da.from_array(y, chunks=400), sample_weight=da.from_array(w, chunks=400))
+    assert model.placement_["relay_sendfile"] is False
+    assert watch.most == 1
+    assert watch.beside >= 1  # never while the send held the worker's one thread
+    _same(model, _loop(_row_blocks(X, y, w, [400] * 10)), assert_unchanged, snapshot)
+    assert _left(ring_dir, client) == []
+
+
 @pytest.mark.parametrize("transport", ["tcp", "dask"])
 def test_a_fit_from_a_zarr_store_decoded_on_the_loaders_equals_the_loop(
     client, ring_dir, tmp_path, transport, snapshot, assert_unchanged
