@@ -249,12 +249,16 @@ before-after)
     #   mkdir -p .probe/before && git archive REV rh_dask gpu_engine benchmarks \
     #       | tar -x -C .probe/before
     # and carried), fitted in the order before, after, after, before, from one dataset.
-    # The load floor is sampled in the first run only; 40-chunk fits. Rows/s per N and
-    # tree are in each JSON's fits; compare the two trees' medians.
-    #   bash benchmarks/device_pending.sh before-after [SOURCES] [LOADERS]
+    # The load floor is sampled in the first run only; 40-chunk fits; each run's seconds
+    # at most $FIRST_LIMIT (300) and $LIMIT (150). Rows/s per N and tree are in each
+    # JSON's fits; compare the two trees' medians.
+    # Options after LOADERS go to scale_out.py after these and override them (a CPU run:
+    # --engine numpy --allow-overlap --rows ... --data-dir ...).
+    #   bash benchmarks/device_pending.sh before-after [SOURCES] [LOADERS] [OPTIONS...]
     before=$(cd "${BEFORE:-.probe/before}" && pwd) || exit 1
     sources=${2:-parquet}
     loaders=${3:-4,8}
+    shift $(($# < 3 ? $# : 3))
     here=$PWD
     i=0
     for tree in "$before" "$here" "$here" "$before"; do
@@ -263,13 +267,13 @@ before-after)
         [ "$tree" = "$before" ] && name=before
         # The first run also writes the dataset (about a minute) and samples the floor.
         skip=comm,relay-ceiling,host-copy,floor-repeat,floors-together
-        limit=300
-        [ $i -gt 1 ] && skip=$skip,floors && limit=150
+        limit=${FIRST_LIMIT:-300}
+        [ $i -gt 1 ] && skip=$skip,floors && limit=${LIMIT:-150}
         (cd "$tree" && export PYTHONPATH="$tree${PYTHONPATH:+:$PYTHONPATH}" \
             && timeout $limit python benchmarks/scale_out.py --engine gpu \
             --sources "$sources" --loaders "$loaders" --compare relay --repeats 2 \
             --lookahead auto --fit-rows 10485760 --data-dir /tmp/rh-dask-scale-out \
-            --skip "$skip" --output "$out/scale_out-before-after-$i-$name.json" 2>&1 \
+            --skip "$skip" --output "$out/scale_out-before-after-$i-$name.json" "$@" 2>&1 \
             | grep -E "^N=|floor")
     done
     ;;
