@@ -179,9 +179,7 @@ def chunks_in_flight(loading: list[WorkerInfo], sends: Callable[[int], int] | No
     One per task thread; where a relayed stream's file chunks go out with
     more sends than threads, the sends a worker may keep in flight:
     ``sends(task_threads)`` (:func:`rh_dask.distributed.push.sends_allowed`
-    for the stream). A loaded chunk sent over TCP leaves its thread to the
-    next chunk's load while it is sent; :func:`auto_lookahead`'s factor two
-    covers that second chunk per thread.
+    for the stream).
     """
     return sum(max(w.nthreads, 0 if sends is None else sends(w.nthreads)) for w in loading)
 

@@ -459,8 +459,7 @@ def push_chunk(item: ChunkItem, spec: PushSpec) -> int:
     RingError
         When no relay takes the chunk (every one is lost, or the stream ended).
     """
-    with _loaded_send_slot(spec):
-        return _push(item.index, lambda sock: _send_chunk(sock, item), spec)
+    return _push(item.index, lambda sock: _send_chunk(sock, item), spec)
 
 
 def _open_parts(chunk: FileChunk, files: contextlib.ExitStack) -> list[Any]:
@@ -518,9 +517,9 @@ def push_file_chunk(chunk: FileChunk, spec: PushSpec) -> int:
 
 
 _slots_lock = threading.Lock()
-#: Per (ring, kind of send, limit), newest last: the sends this process may still start.
+#: Per (ring, limit), newest last: the file sends this process may still start.
 #: A kept ring serves stream after stream; the oldest entries are dropped.
-_slots: dict[tuple[str, str, int], threading.BoundedSemaphore] = {}
+_slots: dict[tuple[str, int], threading.BoundedSemaphore] = {}
 _MAX_SLOT_ENTRIES = 64
 
 
@@ -536,43 +535,16 @@ def _file_send_slot(spec: PushSpec) -> Iterator[None]:
     """
     threads = _task_threads()
     limit = sends_allowed(spec.file_sends, spec.file_sends_per_thread, threads)
-    with _slot(spec.ring_id, "file", limit):
+    with _slots_lock:
+        slots = _slots.get((spec.ring_id, limit))
+        if slots is None:
+            slots = _slots[(spec.ring_id, limit)] = threading.BoundedSemaphore(limit)
+            while len(_slots) > _MAX_SLOT_ENTRIES:
+                del _slots[next(iter(_slots))]
+    with slots:
         if threads is not None and limit > threads:
             _secede()
         yield
-
-
-@contextlib.contextmanager
-def _loaded_send_slot(spec: PushSpec) -> Iterator[None]:
-    """Hold one of this process's sends of loaded chunks, outside the worker's task pool.
-
-    A loaded chunk's send mostly waits for its relay, while the chunk after it
-    waits for a task thread to be loaded (a Parquet chunk's decode, about ten
-    times the send's time). In a Dask worker the send secedes from the
-    thread pool once it holds one of the worker's slots, one per task thread:
-    the worker loads the next chunk meanwhile, and keeps no more sends in
-    flight than it has task threads. Outside a worker nothing is bounded or
-    seceded.
-    """
-    threads = _task_threads()
-    if threads is None:
-        yield
-        return
-    with _slot(spec.ring_id, "loaded", threads):
-        _secede()
-        yield
-
-
-def _slot(ring_id: str, kind: str, limit: int) -> threading.BoundedSemaphore:
-    """This process's semaphore of ``limit`` sends of one ring and kind ("file", "loaded")."""
-    key = (ring_id, kind, limit)
-    with _slots_lock:
-        slots = _slots.get(key)
-        if slots is None:
-            slots = _slots[key] = threading.BoundedSemaphore(limit)
-            while len(_slots) > _MAX_SLOT_ENTRIES:
-                del _slots[next(iter(_slots))]
-    return slots
 
 
 def _secede() -> None:
@@ -580,7 +552,7 @@ def _secede() -> None:
     try:
         distributed.secede()
     except (AttributeError, KeyError, ValueError) as exc:  # not one of distributed's pools
-        logger.debug("a send keeps its task thread: %s", exc)
+        logger.debug("a file send keeps its task thread: %s", exc)
 
 
 def _task_threads() -> int | None:
