@@ -14,6 +14,7 @@
 #   bash benchmarks/device_pending.sh sweep-wide # the same sweep's wide designs, p = 512-2048
 #   bash benchmarks/device_pending.sh numpy   # NumPy engine's threads on 16 cores vs the peer
 #   bash benchmarks/device_pending.sh gemv    # how the L1 streams' Z v / Zᵀ u should use 16 cores
+#   bash benchmarks/device_pending.sh team    # the row blocks' hand-over: the pool against kept threads
 #   bash benchmarks/device_pending.sh scale   # issue 14's judged cheap source, N = 1-8 at the defaults
 #   bash benchmarks/device_pending.sh lookahead # issue 14: N = 4, look-ahead 8 against auto
 #   bash benchmarks/device_pending.sh judged  # scale, then sweep, in one call (~7 min)
@@ -146,6 +147,14 @@ gemv)
         --output "$out/gemv_probe-16-cores.json" 2>&1 | tail -24
     python benchmarks/gemv_probe.py --busy 8 --shapes reference wide \
         --output "$out/gemv_probe-16-cores-busy8.json" 2>&1 | tail -13
+    ;;
+team)
+    # Issue 16 item 2 on 16 cores: the row blocks' hand-over. rows[k] (the engine's pool)
+    # against team[k] (threads kept, a fixed share of the blocks each, woken by a lock)
+    # and span[k] (Z v as one call per thread's share); team's bits are the row blocks'.
+    # If team[k] scales where rows[k] did not, the pool is the engine's GEMV bound. ~2 min.
+    python benchmarks/gemv_probe.py --output "$out/gemv_probe-team-16-cores.json" 2>&1 \
+        | tail -30
     ;;
 scale)
     # Issue 14's judged run of the cheap source: rh_dask.read_npy, chunks sent with

@@ -11,6 +11,12 @@ interleaved and in rotating order:
 - ``blas[k]``: one call, OpenBLAS on ``k`` threads (``threadpool_limits``);
 - ``rows[k]``: the engine's row blocks (:func:`rh_dask.engines.row_blocks.run_tasks`)
   on ``k`` threads, BLAS on one thread each;
+- ``team[k]``: the same blocks on a team of ``k`` threads kept for the probe, each
+  with a fixed contiguous share of the blocks, woken by a lock of its own (what
+  the hand-over costs when no queue and no task objects stand between);
+- ``span[k]`` (``Z v`` only): the team, one BLAS call per thread over its share's
+  rows (fewer calls; its bits are recorded, as a row's dot product may be summed
+  otherwise at a call's edge);
 
 for ``Z v`` and ``Zᵀ u``, records whether ``blas[k]``'s result has the bits of one
 thread's, and, with ``--streams``, whole L1 streams of the NumPy engine with the
@@ -26,6 +32,7 @@ import argparse
 import itertools
 import multiprocessing
 import statistics
+import threading
 import time
 from collections.abc import Callable
 
@@ -50,7 +57,53 @@ def _spin(stop: multiprocessing.synchronize.Event) -> None:  # type: ignore[name
 Way = Callable[[], tuple[np.ndarray, float]]
 
 
-def _products(Z: np.ndarray, counts: tuple[int, ...]) -> dict[str, Way]:
+class _Team:
+    """``k - 1`` threads kept between products; part ``j`` of a job runs on thread ``j``.
+
+    Each thread sleeps on a lock of its own and reports on another, so a
+    product's hand-over is ``k - 1`` lock releases and as many acquires.
+    """
+
+    def __init__(self, k: int) -> None:
+        self.k = k
+        self.go = [threading.Lock() for _ in range(k - 1)]
+        self.done = [threading.Lock() for _ in range(k - 1)]
+        for lock in (*self.go, *self.done):
+            lock.acquire()
+        self.job: Callable[[int], None] | None = None
+        self.threads = [
+            threading.Thread(target=self._loop, args=(i,), daemon=True) for i in range(k - 1)
+        ]
+        for thread in self.threads:
+            thread.start()
+
+    def _loop(self, i: int) -> None:
+        while True:
+            self.go[i].acquire()
+            job = self.job
+            if job is None:
+                return
+            with one_blas_thread():
+                job(i + 1)
+            self.done[i].release()
+
+    def run(self, job: Callable[[int], None]) -> None:
+        self.job = job
+        for lock in self.go:
+            lock.release()
+        job(0)
+        for lock in self.done:
+            lock.acquire()
+
+    def close(self) -> None:
+        self.job = None
+        for lock in self.go:
+            lock.release()
+        for thread in self.threads:
+            thread.join()
+
+
+def _products(Z: np.ndarray, counts: tuple[int, ...], teams: dict[int, _Team]) -> dict[str, Way]:
     """Each way of taking Z v and Zᵀ u: callables returning the product and its seconds.
 
     The seconds leave out setting the BLAS thread count (``threadpool_limits``
@@ -94,10 +147,46 @@ def _products(Z: np.ndarray, counts: tuple[int, ...]) -> dict[str, Way]:
 
         return run
 
+    def team(k: int, op: str) -> Way:
+        shares = [blocks[j * len(blocks) // k : (j + 1) * len(blocks) // k] for j in range(k)]
+        parts: list[np.ndarray | None] = [None] * len(blocks)
+        firsts = [sum(len(shares[i]) for i in range(j)) for j in range(k)]
+
+        def zv(j: int) -> None:
+            for a, b in shares[j]:
+                np.matmul(Z[a:b], v, out=out[a:b])
+
+        def span(j: int) -> None:
+            if shares[j]:
+                a, b = shares[j][0][0], shares[j][-1][1]
+                np.matmul(Z[a:b], v, out=out[a:b])
+
+        def ztu(j: int) -> None:
+            for n, (a, b) in enumerate(shares[j], start=firsts[j]):
+                parts[n] = Z[a:b].T @ u[a:b]
+
+        def run() -> tuple[np.ndarray, float]:
+            with one_blas_thread():
+                start = time.perf_counter()
+                if op in ("Zv", "span"):
+                    teams[k].run(zv if op == "Zv" else span)
+                    return out, time.perf_counter() - start
+                teams[k].run(ztu)
+                total = parts[0].copy()
+                for part in parts[1:]:
+                    total += part
+                return total, time.perf_counter() - start
+
+        return run
+
     for op in ("Zv", "Ztu"):
         for k in counts:
             ways[f"{op} blas[{k}]"] = blas(k, op)
             ways[f"{op} rows[{k}]"] = rows(k, op)
+            if k > 1 and len(blocks) > 1:
+                ways[f"{op} team[{k}]"] = team(k, op)
+                if op == "Zv":
+                    ways[f"{op} span[{k}]"] = team(k, "span")
     return ways
 
 
@@ -107,10 +196,29 @@ def probe_products(
     _, features, batch = SHAPES[name]
     X, _ = StreamSpec(n_features=features, seed=3).chunk(0, batch, "float64")
     Z = np.ascontiguousarray(np.column_stack([X, np.ones(batch)]), dtype=dtype)
-    ways = _products(Z, counts)
+    teams = {k: _Team(k) for k in counts if k > 1}
+    try:
+        return _probe(name, dtype, batch, features, Z, _products(Z, counts, teams), rounds)
+    finally:
+        for team in teams.values():
+            team.close()
+
+
+def _probe(
+    name: str,
+    dtype: str,
+    batch: int,
+    features: int,
+    Z: np.ndarray,
+    ways: dict[str, Way],
+    rounds: int,
+) -> dict[str, object]:
     first = {key: fn()[0].copy() for key, fn in ways.items()}  # also a warm-up
     same_bits = {
         key: bool(np.array_equal(first[key], first[f"{key.split()[0]} blas[1]"])) for key in ways
+    }
+    same_as_rows = {
+        key: bool(np.array_equal(first[key], first[f"{key.split()[0]} rows[1]"])) for key in ways
     }
     samples: dict[str, list[float]] = {key: [] for key in ways}
     names = list(ways)
@@ -129,6 +237,7 @@ def probe_products(
         "z_bytes": Z.nbytes,
         "row_blocks": len(row_blocks(*Z.shape, Z.itemsize)),
         "same_bits_as_one_thread": same_bits,
+        "same_bits_as_rows": same_as_rows,
         "median_seconds": medians,
         "timings": {key: summarize(s) for key, s in samples.items()},
         "fastest": {
@@ -206,10 +315,16 @@ def main() -> None:
                 + " ".join(f"{k.split()[1]}={med[k] * 1e3:.3f}" for k in med if k[:3] == "Zv ")
                 + f"\n{'':19} Ztu: "
                 + " ".join(f"{k.split()[1]}={med[k] * 1e3:.3f}" for k in med if k[:4] == "Ztu ")
-                + f"\n{'':19} blas bits as one thread (Zv): "
+                + f"\n{'':19} Zv's bits as one thread's: "
                 + str(
-                    {k: s for k, s in found["same_bits_as_one_thread"].items() if "Zv blas" in k}
+                    {
+                        k.split()[1]: s
+                        for k, s in found["same_bits_as_one_thread"].items()
+                        if k.startswith("Zv ") and ("blas" in k or "span" in k)
+                    }
                 )
+                + f"\n{'':19} not the row blocks' bits: "
+                + str([k for k, s in found["same_bits_as_rows"].items() if not s])
             )
             if args.streams:
                 got = probe_streams(name, dtype, args.stream_threads, args.streams)
