@@ -22,6 +22,7 @@
 #   bash benchmarks/device_pending.sh plateau # issue 14: what holds the cheap source at 16-19 M rows/s
 #   bash benchmarks/device_pending.sh zarr    # issue 14: read_zarr's direct decode, N = 2, 4, 8
 #   bash benchmarks/device_pending.sh before-after # a loading change against the tree before it
+#   bash benchmarks/device_pending.sh engine-before-after # a NumPy engine change, the same way
 #
 # Each part stays under one device call's 10 minutes. What to look for is in each
 # part's comment; a part that passes is the evidence for an option's default
@@ -286,8 +287,29 @@ before-after)
             | grep -E "^N=|floor")
     done
     ;;
+engine-before-after)
+    # A change to the NumPy engine against the tree before it (made as for before-after,
+    # under $BEFORE), on one machine: numpy_engine.py with "auto" threads and the peer, in
+    # the order before, after, after, before; each run at most $LIMIT (200) seconds.
+    # Compare each tree's ms per stream, and each against the peer of its own run.
+    #   bash benchmarks/device_pending.sh engine-before-after [OPTIONS...]
+    before=$(cd "${BEFORE:-.probe/before}" && pwd) || exit 1
+    shift
+    here=$PWD
+    i=0
+    for tree in "$before" "$here" "$here" "$before"; do
+        i=$((i + 1))
+        name=after
+        [ "$tree" = "$before" ] && name=before
+        echo "run $i: $name"
+        (cd "$tree" && export PYTHONPATH="$tree${PYTHONPATH:+:$PYTHONPATH}" \
+            && timeout ${LIMIT:-200} python benchmarks/numpy_engine.py --repeats 5 \
+            --threads auto --opponent "$@" \
+            --output "$out/numpy_engine-before-after-$i-$name.json" 2>&1 | grep -E "ms")
+    done
+    ;;
 *)
-    echo "usage: $0 tests|pool|loop|columns|tiles|wide|sweep|sweep-wide|numpy|gemv|scale|judged|lookahead|formats|plateau|zarr|before-after" >&2
+    echo "usage: $0 tests|pool|loop|columns|tiles|wide|sweep|sweep-wide|numpy|gemv|team|scale|judged|lookahead|formats|plateau|zarr|before-after|engine-before-after" >&2
     exit 2
     ;;
 esac
