@@ -154,6 +154,7 @@ team)
     # against team[k] (threads kept, a fixed share of the blocks each, woken by a lock)
     # and span[k] (Z v as one call per thread's share); team's bits are the row blocks'.
     # If team[k] scales where rows[k] did not, the pool is the engine's GEMV bound. ~2 min.
+    # On an H100 machine neither scaled, nor span[k] (gemv_probe-h100-team.json).
     python benchmarks/gemv_probe.py --output "$out/gemv_probe-team-16-cores.json" 2>&1 \
         | tail -30
     ;;

@@ -9,11 +9,8 @@ class took 1.6-1.9 ms at every count on reference float64,
 interleaved and in rotating order:
 
 - ``blas[k]``: one call, OpenBLAS on ``k`` threads (``threadpool_limits``);
-- ``rows[k]``: the row blocks on the library's pool
-  (:func:`rh_dask.engines.row_blocks.run_on_pool`) on ``k`` threads, BLAS on one
-  thread each;
-- ``lib[k]``: the same blocks through :func:`~rh_dask.engines.row_blocks.run_tasks`
-  (the library's kept team, where it has one);
+- ``rows[k]``: the engine's row blocks (:func:`rh_dask.engines.row_blocks.run_tasks`)
+  on ``k`` threads, BLAS on one thread each;
 - ``team[k]``: the same blocks on a team of ``k`` threads kept for the probe, each
   with a fixed contiguous share of the blocks, woken by a lock of its own (what
   the hand-over costs when no queue and no task objects stand between);
@@ -32,7 +29,6 @@ fused LAMM pass on and off. ``--busy N`` runs N spinning processes beside the pr
 from __future__ import annotations
 
 import argparse
-import functools
 import itertools
 import multiprocessing
 import statistics
@@ -49,11 +45,6 @@ from rh_dask.datasets import StreamSpec
 from rh_dask.engines import numpy_engine as numpy_engine_module
 from rh_dask.engines.blas_threads import one_blas_thread, usable_cores
 from rh_dask.engines.row_blocks import row_blocks, run_tasks, thread_counts
-
-try:  # rows[k]: the pool, where run_tasks first tries the library's own team
-    from rh_dask.engines.row_blocks import run_on_pool
-except ImportError:
-    run_on_pool = run_tasks
 
 
 def _spin(stop: multiprocessing.synchronize.Event) -> None:  # type: ignore[name-defined]
@@ -146,30 +137,9 @@ def _products(Z: np.ndarray, counts: tuple[int, ...], teams: dict[int, _Team]) -
             with one_blas_thread():
                 start = time.perf_counter()
                 if op == "Zv":
-                    run_on_pool([lambda a=a, b=b: zv(a, b) for a, b in blocks], k)
+                    run_tasks([lambda a=a, b=b: zv(a, b) for a, b in blocks], k)
                     return out, time.perf_counter() - start
-                parts = run_on_pool([lambda a=a, b=b: ztu(a, b) for a, b in blocks], k)
-                total = parts[0].copy()
-                for part in parts[1:]:
-                    total += part
-                return total, time.perf_counter() - start
-
-        return run
-
-    def lib(k: int, op: str) -> Way:
-        def zv(a: int, b: int) -> None:
-            np.matmul(Z[a:b], v, out=out[a:b])
-
-        def ztu(a: int, b: int) -> np.ndarray:
-            return Z[a:b].T @ u[a:b]
-
-        def run() -> tuple[np.ndarray, float]:
-            with one_blas_thread():
-                start = time.perf_counter()
-                if op == "Zv":
-                    run_tasks([functools.partial(zv, a, b) for a, b in blocks], k)
-                    return out, time.perf_counter() - start
-                parts = run_tasks([functools.partial(ztu, a, b) for a, b in blocks], k)
+                parts = run_tasks([lambda a=a, b=b: ztu(a, b) for a, b in blocks], k)
                 total = parts[0].copy()
                 for part in parts[1:]:
                     total += part
@@ -214,7 +184,6 @@ def _products(Z: np.ndarray, counts: tuple[int, ...], teams: dict[int, _Team]) -
             ways[f"{op} blas[{k}]"] = blas(k, op)
             ways[f"{op} rows[{k}]"] = rows(k, op)
             if k > 1 and len(blocks) > 1:
-                ways[f"{op} lib[{k}]"] = lib(k, op)
                 ways[f"{op} team[{k}]"] = team(k, op)
                 if op == "Zv":
                     ways[f"{op} span[{k}]"] = team(k, "span")

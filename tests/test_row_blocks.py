@@ -113,80 +113,18 @@ def test_the_chooser_follows_a_change_of_load():
     assert chooser.chosen() == {"k": 1}
 
 
-def test_a_forked_child_makes_its_own_pool_and_team():
+def test_a_forked_child_makes_its_own_pool():
     import os
 
     if not hasattr(os, "fork"):
         pytest.skip("no fork here")
-    parent, parent_team = rb.block_pool(), rb.block_team()
-    rb.run_tasks([lambda: 1, lambda: 2], 2)  # the parent's helpers exist
+    parent = rb.block_pool()
     read, write = os.pipe()
     pid = os.fork()
     if pid == 0:  # pragma: no cover - the child
-        ok = (
-            rb.block_pool() is not parent
-            and rb.block_team() is not parent_team
-            and rb.run_tasks([lambda: 1, lambda: 2], 2) == [1, 2]
-        )
+        ok = rb.block_pool() is not parent and rb.run_tasks([lambda: 1, lambda: 2], 2) == [1, 2]
         os.write(write, b"1" if ok else b"0")
         os._exit(0)
     os.close(write)
     assert os.read(read, 1) == b"1"
     os.waitpid(pid, 0)
-
-
-def test_the_team_runs_contiguous_shares_one_thread_each():
-    team = rb.BlockTeam(helpers=3)
-    where: dict[int, str] = {}
-
-    def task(i: int):
-        def run():
-            where[i] = threading.current_thread().name
-            return i * i
-
-        return run
-
-    assert team.run([task(i) for i in range(9)], 3) == [i * i for i in range(9)]
-    me = threading.current_thread().name
-    assert [where[i] for i in range(3)] == [me] * 3  # share 0: the calling thread
-    helpers = [where[i] for i in range(3, 9)]
-    assert helpers[:3] == [helpers[0]] * 3 and helpers[3:] == [helpers[3]] * 3
-    assert len({me, helpers[0], helpers[3]}) == 3
-    # Kept: a second product runs on the same helpers.
-    where.clear()
-    assert team.run([task(i) for i in range(4)], 2) == [0, 1, 4, 9]
-    assert where[2] == where[3] == helpers[0]
-
-
-def test_the_team_raises_the_first_error_once_every_share_has_ended():
-    team = rb.BlockTeam(helpers=1)
-    ended: list[int] = []
-
-    def slow():
-        time.sleep(0.2)
-        ended.append(1)
-
-    def fail():
-        raise ValueError("first")
-
-    with pytest.raises(ValueError, match="first"):
-        team.run([fail, slow, slow, slow], 2)
-    assert ended == [1, 1, 1]
-    assert team.run([lambda: 1, lambda: 2], 2) == [1, 2]  # still usable
-
-
-def test_a_busy_team_leaves_the_product_to_the_pool():
-    team = rb.block_team()
-    names: list[str] = []
-
-    def task():
-        names.append(threading.current_thread().name)
-        time.sleep(0.05)
-        return 1
-
-    with team._busy:  # another thread's product holds the team
-        assert team.run([task, task], 2) is None
-        assert rb.run_tasks([task, task, task, task], 2) == [1] * 4
-    if rb.usable_cores() > 1:
-        assert not any("team" in name for name in names)
-        assert any(name.startswith("rh-dask-numpy-rows_") for name in names)  # the pool's

@@ -9,15 +9,11 @@ times (:class:`ThreadChooser`), without changing a result: unlike BLAS's own
 threads, whose sums depend on their count.
 
 Blocks run as tasks (:func:`run_tasks`) on the calling thread and on a
-process-wide team of kept threads (:func:`block_team`), each of which takes a
-fixed contiguous share of the tasks and sleeps on a lock of its own between
-products: nothing spins while the engine is not computing, and a product's
-hand-over is one lock release per thread. A product that finds the team
-busy (engines on several threads at once) runs on a process-wide pool
-instead (:func:`block_pool`), whose threads take tasks from a queue. Handing
-work to other threads still costs more than a GEMV of a small batch takes,
-so whether spreading pays is measured: the NumPy engine calibrates a count
-per batch class.
+process-wide pool (:func:`block_pool`), whose threads wait on a queue between
+products: nothing spins while the engine is not computing. Handing tasks to
+another thread costs about 65 µs on the dev box, more than a GEMV of a
+reference batch takes, so whether spreading pays is measured: the NumPy
+engine calibrates a count per batch class.
 """
 
 from __future__ import annotations
@@ -37,12 +33,9 @@ from .blas_threads import usable_cores
 __all__ = [
     "MAX_BLOCKS",
     "MIN_BLOCK_BYTES",
-    "BlockTeam",
     "ThreadChooser",
     "block_pool",
-    "block_team",
     "row_blocks",
-    "run_on_pool",
     "run_tasks",
     "thread_chooser",
     "thread_counts",
@@ -97,151 +90,22 @@ def block_pool() -> ThreadPoolExecutor:
     )
 
 
-class BlockTeam:
-    """Threads kept to run the shares of one product's tasks at a time.
-
-    Helper ``i`` runs share ``i + 1`` of a product: the tasks are cut into as
-    many contiguous shares as threads take part, and the calling thread runs
-    share 0. Each helper waits on a lock of its own and reports on another, so
-    nothing queues and nothing spins between products. One product at a time:
-    :meth:`run` returns None at once when another thread is using the team.
-
-    Parameters
-    ----------
-    helpers : int
-        Helper threads at most (made when a product first needs them).
-    """
-
-    def __init__(self, helpers: int) -> None:
-        self.helpers = max(0, helpers)
-        self._busy = threading.Lock()
-        self._go: list[threading.Lock] = []
-        self._done: list[threading.Lock] = []
-        self._share: list[Callable[[], None] | None] = []
-        #: A product interrupted while its helpers ran leaves the locks' pairing
-        #: unknown: the team is then given up and :func:`block_team` makes another.
-        self.broken = False
-
-    def _grow(self, helpers: int) -> None:
-        while len(self._go) < helpers:
-            i = len(self._go)
-            go, done = threading.Lock(), threading.Lock()
-            go.acquire()
-            done.acquire()
-            self._go.append(go)
-            self._done.append(done)
-            self._share.append(None)
-            threading.Thread(
-                target=self._serve, args=(i,), daemon=True, name=f"rh-dask-numpy-rows-team-{i}"
-            ).start()
-
-    def _serve(self, i: int) -> None:
-        go, done = self._go[i], self._done[i]
-        while True:
-            go.acquire()
-            share = self._share[i]
-            if share is not None:
-                share()
-            done.release()
-
-    def run(self, tasks: Sequence[Callable[[], T]], threads: int) -> list[T] | None:
-        """The tasks' results in task order on ``threads`` threads, or None if busy.
-
-        Returns only once every share has ended; the error of the first failed
-        task, in task order, is raised.
-        """
-        threads = max(1, min(threads, len(tasks), self.helpers + 1))
-        if self.broken or not self._busy.acquire(blocking=False):
-            return None
-        try:
-            results: list[Any] = [None] * len(tasks)
-            errors: list[BaseException | None] = [None] * len(tasks)
-
-            def share(j: int) -> Callable[[], None]:
-                first, last = j * len(tasks) // threads, (j + 1) * len(tasks) // threads
-
-                def run() -> None:
-                    for i in range(first, last):
-                        try:
-                            results[i] = tasks[i]()
-                        except BaseException as exc:  # raised below, in task order
-                            errors[i] = exc
-
-                return run
-
-            self._grow(threads - 1)
-            for i in range(threads - 1):
-                self._share[i] = share(i + 1)
-                self._go[i].release()
-            try:
-                share(0)()
-            finally:
-                try:
-                    for i in range(threads - 1):
-                        self._done[i].acquire()
-                        self._share[i] = None
-                except BaseException:
-                    self.broken = True
-                    raise
-        finally:
-            self._busy.release()
-        for error in errors:
-            if error is not None:
-                raise error
-        return results
-
-
-@functools.cache
-def _block_team() -> BlockTeam:
-    return BlockTeam(usable_cores() - 1)
-
-
-def block_team() -> BlockTeam:
-    """The process's :class:`BlockTeam`: one helper fewer than its usable cores.
-
-    Made at the first use, afresh in a forked child (a thread does not survive
-    a fork) and after a product was interrupted while its helpers ran.
-    """
-    team = _block_team()
-    if team.broken:
-        _block_team.cache_clear()
-        team = _block_team()
-    return team
-
-
-def _clear_after_fork() -> None:
-    block_pool.cache_clear()
-    _block_team.cache_clear()
-
-
 if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_clear_after_fork)
+    os.register_at_fork(after_in_child=block_pool.cache_clear)
 
 
 def run_tasks(tasks: Sequence[Callable[[], T]], threads: int) -> list[T]:
     """``[task() for task in tasks]`` on ``threads`` threads; results in task order.
 
-    The calling thread and ``threads - 1`` helpers of :func:`block_team` each
-    run a contiguous share of the tasks (the row blocks of one product cost
-    about the same). Where the team is busy with another thread's product,
-    the calling thread and ``threads - 1`` threads of :func:`block_pool` take
-    the next task not yet taken until none is left. Returns only once every
-    task taken has ended, whatever happened, so the caller's buffers are never
-    left in use; the error of the first failed task, in task order, is raised.
+    The calling thread and ``threads - 1`` threads of :func:`block_pool` take
+    the next task not yet taken until none is left, so tasks of unequal cost
+    share the threads evenly. Returns only once every task taken has ended,
+    whatever happened, so the caller's buffers are never left in use; the
+    error of the first failed task, in task order, is raised.
     """
     threads = max(1, min(threads, len(tasks)))
     if threads == 1:
         return [task() for task in tasks]
-    got = block_team().run(tasks, threads)
-    return run_on_pool(tasks, threads) if got is None else got
-
-
-def run_on_pool(tasks: Sequence[Callable[[], T]], threads: int) -> list[T]:
-    """:func:`run_tasks` on the calling thread and ``threads - 1`` of :func:`block_pool`.
-
-    Each thread takes the next task not yet taken until none is left.
-    """
-    threads = max(1, min(threads, len(tasks)))
     results: list[Any] = [None] * len(tasks)
     errors: list[BaseException | None] = [None] * len(tasks)
     taken = itertools.count()  # next() on a count is atomic under the GIL
