@@ -36,6 +36,16 @@ gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1 \
     | grep -o -E '[A-Z][0-9]{2,4}' | head -1 | tr 'A-Z' 'a-z')
 gpu=${gpu:-gpu}
 
+# The runs of a change measured against the tree before it, on one machine: one line
+# "RUN NAME TREE" each, the tree before ($BEFORE, default .probe/before) and this one in
+# the order before, after, after, before.
+ab_runs() {
+    local before
+    before=$(cd "${BEFORE:-.probe/before}" && pwd) || return 1
+    printf '1 before %s\n2 after %s\n3 after %s\n4 before %s\n' \
+        "$before" "$PWD" "$PWD" "$before"
+}
+
 case "$part" in
 tests)
     # All pass, none skipped for an error: tests/test_gpu_*.py, the NVRTC compile,
@@ -266,16 +276,11 @@ before-after)
     # Options after LOADERS go to scale_out.py after these and override them (a CPU run:
     # --engine numpy --allow-overlap --rows ... --data-dir ...).
     #   bash benchmarks/device_pending.sh before-after [SOURCES] [LOADERS] [OPTIONS...]
-    before=$(cd "${BEFORE:-.probe/before}" && pwd) || exit 1
+    runs=$(ab_runs) || exit 1
     sources=${2:-parquet}
     loaders=${3:-4,8}
     shift $(($# < 3 ? $# : 3))
-    here=$PWD
-    i=0
-    for tree in "$before" "$here" "$here" "$before"; do
-        i=$((i + 1))
-        name=after
-        [ "$tree" = "$before" ] && name=before
+    while read -r -u 3 i name tree; do
         # The first run also writes the dataset (about a minute) and samples the floor.
         skip=comm,relay-ceiling,host-copy,floor-repeat,floors-together
         limit=${FIRST_LIMIT:-300}
@@ -286,7 +291,7 @@ before-after)
             --lookahead auto --fit-rows 10485760 --data-dir /tmp/rh-dask-scale-out \
             --skip "$skip" --output "$out/scale_out-before-after-$i-$name.json" "$@" 2>&1 \
             | grep -E "^N=|floor")
-    done
+    done 3<<<"$runs"
     ;;
 engine-before-after)
     # A change to the NumPy engine against the tree before it (made as for before-after,
@@ -294,20 +299,15 @@ engine-before-after)
     # the order before, after, after, before; each run at most $LIMIT (200) seconds.
     # Compare each tree's ms per stream, and each against the peer of its own run.
     #   bash benchmarks/device_pending.sh engine-before-after [OPTIONS...]
-    before=$(cd "${BEFORE:-.probe/before}" && pwd) || exit 1
+    runs=$(ab_runs) || exit 1
     shift
-    here=$PWD
-    i=0
-    for tree in "$before" "$here" "$here" "$before"; do
-        i=$((i + 1))
-        name=after
-        [ "$tree" = "$before" ] && name=before
+    while read -r -u 3 i name tree; do
         echo "run $i: $name"
         (cd "$tree" && export PYTHONPATH="$tree${PYTHONPATH:+:$PYTHONPATH}" \
             && timeout ${LIMIT:-200} python benchmarks/numpy_engine.py --repeats 5 \
             --threads auto --opponent "$@" \
             --output "$out/numpy_engine-before-after-$i-$name.json" 2>&1 | grep -E "ms")
-    done
+    done 3<<<"$runs"
     ;;
 *)
     echo "usage: $0 tests|pool|loop|columns|tiles|wide|sweep|sweep-wide|numpy|gemv|team|scale|judged|lookahead|formats|plateau|zarr|before-after|engine-before-after" >&2
