@@ -57,6 +57,14 @@ def _spin(stop: multiprocessing.synchronize.Event) -> None:  # type: ignore[name
 Way = Callable[[], tuple[np.ndarray, float]]
 
 
+def _in_block_order(parts: list[np.ndarray]) -> np.ndarray:
+    """The row blocks' partial products of ``Zᵀ u`` added in block order, as the engine does."""
+    total = parts[0].copy()
+    for part in parts[1:]:
+        total += part
+    return total
+
+
 class _Team:
     """``k - 1`` threads kept between products; part ``j`` of a job runs on thread ``j``.
 
@@ -65,7 +73,6 @@ class _Team:
     """
 
     def __init__(self, k: int) -> None:
-        self.k = k
         self.go = [threading.Lock() for _ in range(k - 1)]
         self.done = [threading.Lock() for _ in range(k - 1)]
         for lock in (*self.go, *self.done):
@@ -140,17 +147,13 @@ def _products(Z: np.ndarray, counts: tuple[int, ...], teams: dict[int, _Team]) -
                     run_tasks([lambda a=a, b=b: zv(a, b) for a, b in blocks], k)
                     return out, time.perf_counter() - start
                 parts = run_tasks([lambda a=a, b=b: ztu(a, b) for a, b in blocks], k)
-                total = parts[0].copy()
-                for part in parts[1:]:
-                    total += part
-                return total, time.perf_counter() - start
+                return _in_block_order(parts), time.perf_counter() - start
 
         return run
 
     def team(k: int, op: str) -> Way:
         shares = [blocks[j * len(blocks) // k : (j + 1) * len(blocks) // k] for j in range(k)]
-        parts: list[np.ndarray | None] = [None] * len(blocks)
-        firsts = [sum(len(shares[i]) for i in range(j)) for j in range(k)]
+        parts: list[np.ndarray] = [np.empty(0)] * len(blocks)
 
         def zv(j: int) -> None:
             for a, b in shares[j]:
@@ -162,7 +165,7 @@ def _products(Z: np.ndarray, counts: tuple[int, ...], teams: dict[int, _Team]) -
                 np.matmul(Z[a:b], v, out=out[a:b])
 
         def ztu(j: int) -> None:
-            for n, (a, b) in enumerate(shares[j], start=firsts[j]):
+            for n, (a, b) in enumerate(shares[j], start=j * len(blocks) // k):
                 parts[n] = Z[a:b].T @ u[a:b]
 
         def run() -> tuple[np.ndarray, float]:
@@ -172,10 +175,7 @@ def _products(Z: np.ndarray, counts: tuple[int, ...], teams: dict[int, _Team]) -
                     teams[k].run(zv if op == "Zv" else span)
                     return out, time.perf_counter() - start
                 teams[k].run(ztu)
-                total = parts[0].copy()
-                for part in parts[1:]:
-                    total += part
-                return total, time.perf_counter() - start
+                return _in_block_order(parts), time.perf_counter() - start
 
         return run
 
